@@ -1,0 +1,88 @@
+"""Recorder settings: argument, then environment variable, then default."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field, replace
+from typing import Mapping
+
+from pdwatch import contract as c
+
+
+def _env_float(environ: Mapping[str, str], name: str, default: float) -> float:
+    raw = environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number") from None
+    if not value > 0:
+        raise ValueError(f"{name}={raw!r} must be positive")
+    return value
+
+
+def _env_int(environ: Mapping[str, str], name: str, default: int) -> int:
+    raw = environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
+    if value < 1:
+        raise ValueError(f"{name}={raw!r} must be at least 1")
+    return value
+
+
+@dataclass(frozen=True)
+class RecorderConfig:
+    """What a recorder needs to know about the engine process it lives in.
+
+    Fields left as None are resolved by `resolved()` from the environment
+    (PDWATCH_CLUSTER, PDWATCH_INSTANCE, PDWATCH_HEARTBEAT_S,
+    PDWATCH_INVENTORY_MAX, OTEL_EXPORTER_OTLP_ENDPOINT) or defaults.
+    """
+
+    role: str
+    cluster: str | None = None
+    instance: str | None = None
+    service_name: str = "sglang"
+    engine_version: str = ""
+    tp_rank: int = 0
+    tp_size: int = 1
+    gpu_uuids: tuple[str, ...] = ()
+    # Only the rank that owns request bookkeeping sends lifecycle spans and
+    # the open-leg inventory; None means "rank 0 does".
+    owns_requests: bool | None = None
+    heartbeat_s: float | None = None
+    inventory_max: int | None = None
+    # OTLP/HTTP base URL; spans go to <endpoint>/v1/traces.
+    endpoint: str | None = None
+    # Hot-path buffer between the engine thread and the span builder.
+    buffer_max: int = 65536
+    # Legs the recorder tracks at once; beyond it the oldest is forgotten, counted.
+    max_open_legs: int = 65536
+    drain_interval_s: float = 0.05
+    export_timeout_s: float = 2.0
+    # Spans allowed to wait in the batch processor; more are dropped, counted.
+    max_export_queue: int = 8192
+    pid: int = field(default_factory=os.getpid)
+    host: str = field(default_factory=socket.gethostname)
+
+    def resolved(self, environ: Mapping[str, str] | None = None) -> "RecorderConfig":
+        env = os.environ if environ is None else environ
+        if self.role not in c.ROLES:
+            raise ValueError(f"role must be one of {', '.join(c.ROLES)}, not {self.role!r}")
+        endpoint = self.endpoint or env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or "http://127.0.0.1:4318"
+        return replace(
+            self,
+            cluster=self.cluster or env.get("PDWATCH_CLUSTER") or "default",
+            instance=self.instance or env.get("PDWATCH_INSTANCE") or f"{self.host}:{self.pid}",
+            owns_requests=(self.tp_rank == 0) if self.owns_requests is None else self.owns_requests,
+            heartbeat_s=self.heartbeat_s or _env_float(env, "PDWATCH_HEARTBEAT_S", c.DEFAULT_HEARTBEAT_S),
+            inventory_max=self.inventory_max
+            or _env_int(env, "PDWATCH_INVENTORY_MAX", c.DEFAULT_INVENTORY_MAX),
+            endpoint=endpoint.rstrip("/"),
+        )

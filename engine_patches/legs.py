@@ -1,0 +1,176 @@
+"""The recorder's view of open legs, rebuilt off the engine thread from records.
+
+Applies hot-path records in order and says which spans they complete. Knows
+nothing about OpenTelemetry: `otel_export` turns the finished pieces into spans.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from dataclasses import dataclass, field
+
+from pdwatch import contract as c
+
+
+@dataclass(slots=True)
+class Leg:
+    rid: str
+    trace_id: int
+    span_id: int
+    parent_span_id: int | None  # from traceparent; None = root of its trace
+    arrive_ns: int
+    room: int | None = None
+    peer: str | None = None
+    prompt_tokens: int = 0
+    stage: str | None = None
+    stage_since_ns: int = 0
+    stage_attrs: dict = field(default_factory=dict)
+    tokens: int = 0
+
+
+@dataclass(slots=True)
+class StageDone:
+    leg: Leg
+    stage: str
+    start_ns: int
+    end_ns: int
+    attrs: dict
+    error: str | None  # reason when the stage ended in failure
+
+
+@dataclass(slots=True)
+class LegDone:
+    leg: Leg
+    end_ns: int
+    outcome: str
+    reason: str | None
+    output_tokens: int
+
+
+def trace_id_for(traceparent: str | None, room: int | None) -> tuple[int, int | None]:
+    """Contract section 2: traceparent, else the room's hash, else random."""
+    parsed = c.parse_traceparent(traceparent)
+    if parsed is not None:
+        return parsed
+    if room is not None:
+        return c.room_trace_id(room), None
+    return random.getrandbits(128) or 1, None
+
+
+class LegTable:
+    """Open legs of one engine process plus its monotonic progress counters."""
+
+    def __init__(self, role: str, max_open: int):
+        self.role = role
+        self.stages = c.STAGES[role]
+        self.max_open = max_open
+        self.open: dict[str, Leg] = {}
+        self.completed = 0
+        self.failed = 0
+        self.tokens_generated = 0
+        self.evicted = 0
+        self.unknown_stage = 0
+
+    # Each apply_* returns the span pieces the record completed (maybe none).
+
+    def arrive(self, rid: str, ts: int, room, traceparent, prompt_tokens, peer) -> list:
+        done: list = []
+        old = self.open.get(rid)
+        if old is not None:
+            # A reused rid means the engine forgot the first one: close it.
+            done.extend(self.finish(rid, ts, "aborted", "rid reused", None))
+        if len(self.open) >= self.max_open:
+            oldest = min(self.open.values(), key=lambda leg: leg.arrive_ns)
+            del self.open[oldest.rid]
+            self.evicted += 1
+        trace_id, parent = trace_id_for(traceparent, room)
+        self.open[rid] = Leg(
+            rid=rid,
+            trace_id=trace_id,
+            span_id=random.getrandbits(64) or 1,
+            parent_span_id=parent,
+            arrive_ns=ts,
+            room=room,
+            peer=peer,
+            prompt_tokens=int(prompt_tokens or 0),
+        )
+        return done
+
+    def _leg(self, rid: str, ts: int) -> Leg:
+        leg = self.open.get(rid)
+        if leg is None:
+            # Hooks attached mid-flight see legs they never saw arrive.
+            self.arrive(rid, ts, None, None, 0, None)
+            leg = self.open[rid]
+        return leg
+
+    def enter(self, rid: str, ts: int, stage: str) -> list:
+        if stage not in self.stages:
+            self.unknown_stage += 1
+            return []
+        leg = self._leg(rid, ts)
+        if leg.stage == stage:
+            return []
+        done = self._close_stage(leg, ts, None)
+        leg.stage = stage
+        leg.stage_since_ns = ts
+        leg.stage_attrs = {}
+        return done
+
+    def transfer_info(self, rid: str, ts: int, nbytes, backend, peer) -> None:
+        leg = self._leg(rid, ts)
+        if nbytes is not None:
+            leg.stage_attrs[c.A_XFER_BYTES] = int(nbytes)
+        if backend:
+            leg.stage_attrs[c.A_XFER_BACKEND] = str(backend)
+        if peer:
+            leg.peer = str(peer)
+
+    def token(self, rid: str, ts: int, n: int) -> None:
+        leg = self.open.get(rid)
+        self.tokens_generated += n
+        if leg is not None:
+            leg.tokens += n
+
+    def finish(self, rid: str, ts: int, outcome: str, reason: str | None, output_tokens) -> list:
+        leg = self.open.pop(rid, None)
+        if leg is None:
+            return []
+        if outcome not in c.OUTCOMES:
+            reason = reason or f"unknown outcome {outcome!r}"
+            outcome = "failed"
+        error = None if outcome == "ok" else (reason or outcome)
+        done = self._close_stage(leg, ts, error)
+        if outcome == "ok":
+            self.completed += 1
+        else:
+            self.failed += 1
+        out = leg.tokens if output_tokens is None else int(output_tokens)
+        done.append(LegDone(leg, ts, outcome, reason, out))
+        return done
+
+    def _close_stage(self, leg: Leg, ts: int, error: str | None) -> list:
+        if leg.stage is None:
+            return []
+        return [StageDone(leg, leg.stage, leg.stage_since_ns, ts, leg.stage_attrs, error)]
+
+    def inventory(self, limit: int) -> dict:
+        """Heartbeat attributes describing what is open, oldest stage entry first."""
+        counts = dict.fromkeys(self.stages, 0)
+        for leg in self.open.values():
+            if leg.stage is not None:
+                counts[leg.stage] += 1
+        listed = heapq.nsmallest(
+            limit, (leg for leg in self.open.values() if leg.stage is not None), key=lambda leg: leg.stage_since_ns
+        )
+        attrs: dict = {c.H_OPEN_TOTAL: sum(counts.values())}
+        for stage, n in counts.items():
+            attrs[c.H_OPEN_COUNT_PREFIX + stage] = n
+        attrs[c.H_OPEN_TRACE_IDS] = [f"{leg.trace_id:032x}" for leg in listed]
+        attrs[c.H_OPEN_RIDS] = [leg.rid for leg in listed]
+        attrs[c.H_OPEN_STAGES] = [leg.stage for leg in listed]
+        attrs[c.H_OPEN_SINCE] = [leg.stage_since_ns for leg in listed]
+        attrs[c.H_OPEN_TOKENS] = [leg.tokens for leg in listed]
+        attrs[c.H_OPEN_SPAN_IDS] = [f"{leg.span_id:016x}" for leg in listed]
+        return attrs

@@ -1,0 +1,233 @@
+"""The lifecycle recorder engine adapters call at every stage transition.
+
+Two halves. The engine (scheduler) thread calls `arrive`, `enter`, `token`,
+`finish` ...: each takes a timestamp and appends one tuple to a bounded
+buffer, nothing else, and never raises. A daemon worker thread drains the
+buffer every `drain_interval_s`, keeps the open-leg table, builds spans with
+the recorded times and sends a heartbeat with the open-leg inventory every
+`heartbeat_s`. A sidecar that is down or slow costs the engine nothing but
+dropped telemetry, which is counted and reported in the next heartbeat.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import deque
+
+from opentelemetry.sdk.trace.export import SpanExporter
+
+from pdwatch import contract as c
+
+from .config import RecorderConfig
+from .legs import LegDone, LegTable, StageDone
+from .otel_export import SpanSink, build_resource
+
+log = logging.getLogger("pdwatch.recorder")
+
+# Record kinds in the hot-path buffer.
+_ARRIVE, _ENTER, _XFER, _TOKEN, _FINISH, _COUNTER = range(6)
+
+__all__ = ["Recorder", "RecorderConfig"]
+
+
+class Recorder:
+    def __init__(
+        self,
+        config: RecorderConfig,
+        *,
+        exporter: SpanExporter | None = None,
+        clock=time.time_ns,
+        environ=None,
+    ):
+        self.config = cfg = config.resolved(environ)
+        self.instance_id = uuid.uuid4().hex
+        self.start_ns = clock()
+        self._clock = clock
+        self._buf: deque = deque()
+        self._buf_max = cfg.buffer_max
+        # Hot-path counters: plain ints written by engine threads, read by the worker.
+        self.dropped = 0
+        self.hook_errors = 0
+        self.loop_iterations = 0
+        self._engine_counters: dict[str, int] = {}
+        self.legs = LegTable(cfg.role, cfg.max_open_legs)
+        self.sink = SpanSink(cfg, build_resource(cfg, self.instance_id, self.start_ns), exporter)
+        self.worker_errors = 0
+        self.heartbeat_seq = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # serialises drains (worker vs flush)
+
+    # ---- engine thread: one append each, never raises -------------------
+
+    def _put(self, record: tuple) -> None:
+        if len(self._buf) >= self._buf_max:
+            self.dropped += 1
+            return
+        self._buf.append(record)
+
+    def arrive(self, rid, *, bootstrap_room=None, traceparent=None, prompt_tokens=0, peer=None) -> None:
+        try:
+            self._put((_ARRIVE, rid, self._clock(), (bootstrap_room, traceparent, prompt_tokens, peer)))
+        except Exception:
+            self.hook_errors += 1
+
+    def enter(self, rid, stage) -> None:
+        try:
+            self._put((_ENTER, rid, self._clock(), stage))
+        except Exception:
+            self.hook_errors += 1
+
+    def transfer_info(self, rid, *, nbytes=None, backend=None, peer=None) -> None:
+        try:
+            self._put((_XFER, rid, self._clock(), (nbytes, backend, peer)))
+        except Exception:
+            self.hook_errors += 1
+
+    def token(self, rid, n=1) -> None:
+        try:
+            self._put((_TOKEN, rid, 0, n))
+        except Exception:
+            self.hook_errors += 1
+
+    def finish(self, rid, outcome="ok", *, reason=None, output_tokens=None) -> None:
+        try:
+            self._put((_FINISH, rid, self._clock(), (outcome, reason, output_tokens)))
+        except Exception:
+            self.hook_errors += 1
+
+    def loop_tick(self) -> None:
+        self.loop_iterations += 1
+
+    def counter(self, name: str, n: int = 1) -> None:
+        """Engine-specific monotonic counter, sent as heartbeat attribute pd.engine.<name>."""
+        try:
+            self._put((_COUNTER, name, 0, n))
+        except Exception:
+            self.hook_errors += 1
+
+    # ---- worker thread ---------------------------------------------------
+
+    def start(self) -> "Recorder":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="pdwatch-recorder", daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        cfg = self.config
+        next_beat = time.monotonic()  # first heartbeat at once: the sidecar learns the instance
+        while not self._stop.is_set():
+            try:
+                self.drain()
+                if time.monotonic() >= next_beat:
+                    next_beat = time.monotonic() + cfg.heartbeat_s
+                    self.heartbeat()
+            except Exception:
+                self.worker_errors += 1
+                log.debug("pdwatch recorder worker error", exc_info=True)
+            self._stop.wait(cfg.drain_interval_s)
+
+    def drain(self) -> int:
+        """Apply buffered records and emit the spans they complete."""
+        with self._lock:
+            buf, legs, n = self._buf, self.legs, 0
+            while buf:
+                kind, rid, ts, arg = buf.popleft()
+                n += 1
+                try:
+                    if kind == _ENTER:
+                        done = legs.enter(rid, ts, arg)
+                    elif kind == _TOKEN:
+                        legs.token(rid, ts, arg)
+                        continue
+                    elif kind == _ARRIVE:
+                        done = legs.arrive(rid, ts, *arg)
+                    elif kind == _FINISH:
+                        done = legs.finish(rid, ts, *arg)
+                    elif kind == _XFER:
+                        legs.transfer_info(rid, ts, *arg)
+                        continue
+                    else:
+                        self._engine_counters[rid] = self._engine_counters.get(rid, 0) + arg
+                        continue
+                    if done and self.config.owns_requests:
+                        self._emit(done)
+                except Exception:
+                    self.worker_errors += 1
+                    log.debug("pdwatch could not apply record %r", kind, exc_info=True)
+            return n
+
+    def _emit(self, pieces: list) -> None:
+        for piece in pieces:
+            if isinstance(piece, StageDone):
+                self.sink.stage(piece)
+            elif isinstance(piece, LegDone):
+                self.sink.leg(piece)
+
+    def heartbeat_attributes(self) -> dict:
+        cfg, legs = self.config, self.legs
+        attrs = {
+            c.H_SEQ: self.heartbeat_seq,
+            c.H_INTERVAL: float(cfg.heartbeat_s),
+            c.H_LOOP: self.loop_iterations,
+            c.H_COMPLETED: legs.completed,
+            c.H_FAILED: legs.failed,
+            c.H_TOKENS: legs.tokens_generated,
+            # pdwatch's own health, so the sidecar can tell lost telemetry from quiet.
+            "pdwatch.recorder.dropped": self.dropped,
+            "pdwatch.recorder.hook_errors": self.hook_errors,
+            "pdwatch.recorder.worker_errors": self.worker_errors,
+            "pdwatch.recorder.spans_dropped": self.sink.dropped,
+            "pdwatch.recorder.export_failed_spans": self.sink.exporter.failed_spans,
+            "pdwatch.recorder.legs_evicted": legs.evicted,
+        }
+        for name, value in self._engine_counters.items():
+            attrs[f"pd.engine.{name}"] = value
+        if cfg.owns_requests:
+            attrs.update(legs.inventory(cfg.inventory_max))
+        return attrs
+
+    def heartbeat(self) -> None:
+        self.heartbeat_seq += 1
+        self.sink.heartbeat(self.heartbeat_attributes(), self._clock())
+
+    def stats(self) -> dict:
+        return {
+            "open": len(self.legs.open),
+            "completed": self.legs.completed,
+            "failed": self.legs.failed,
+            "dropped": self.dropped,
+            "hook_errors": self.hook_errors,
+            "worker_errors": self.worker_errors,
+            "spans_ended": self.sink.ended,
+            "spans_dropped": self.sink.dropped,
+            "export_failed_spans": self.sink.exporter.failed_spans,
+            "heartbeats": self.heartbeat_seq,
+        }
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Drain and export everything recorded so far (tests, shutdown)."""
+        self.drain()
+        return self.sink.flush(timeout_s)
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        try:
+            self.drain()
+            self.heartbeat()
+            self.sink.flush(timeout_s)
+            self.sink.shutdown()
+        except Exception:
+            log.debug("pdwatch recorder shutdown error", exc_info=True)
+
+
+def from_env(role: str, **overrides) -> Recorder:
+    """A started recorder configured from the environment (engine adapters)."""
+    return Recorder(RecorderConfig(role=role, **overrides), environ=os.environ).start()
