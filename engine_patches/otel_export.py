@@ -111,7 +111,7 @@ class SpanSink:
             self.exporter,
             max_queue_size=cfg.max_export_queue,
             schedule_delay_millis=200,
-            max_export_batch_size=512,
+            max_export_batch_size=min(512, cfg.max_export_queue),
         )
         self.provider.add_span_processor(self.processor)
         self.tracer = self.provider.get_tracer("pdwatch.engine_patches")

@@ -1,0 +1,304 @@
+"""The recorder against the real OTel SDK (in-memory and OTLP/HTTP exporters)."""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import threading
+import time
+
+import pytest
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+
+from engine_patches.recorder import Recorder, RecorderConfig
+
+
+class FakeClock:
+    def __init__(self, start_ns=1_700_000_000_000_000_000):
+        self.now = start_ns
+
+    def __call__(self):
+        return self.now
+
+    def advance(self, seconds):
+        self.now += int(seconds * 1e9)
+
+
+def make(role="prefill", exporter=None, **kw):
+    exporter = exporter or InMemorySpanExporter()
+    clock = kw.pop("clock", FakeClock())
+    cfg = RecorderConfig(role=role, instance=f"{role}-0", heartbeat_s=kw.pop("heartbeat_s", 0.1), **kw)
+    return Recorder(cfg, exporter=exporter, clock=clock, environ={}), exporter, clock
+
+
+def spans_by_name(exporter):
+    out = {}
+    for s in exporter.get_finished_spans():
+        out.setdefault(s.name, []).append(s)
+    return out
+
+
+def test_both_legs_of_a_room_share_the_contract_trace_id():
+    room = 8472615
+    expected = int.from_bytes(hashlib.sha256(f"pdwatch:{room}".encode()).digest()[:16], "big")
+    ids = []
+    for role, rid in (("prefill", "p-1"), ("decode", "d-1")):
+        rec, exp, clock = make(role)
+        rec.arrive(rid, bootstrap_room=room)
+        rec.enter(rid, "bootstrap")
+        clock.advance(0.5)
+        rec.finish(rid, "ok")
+        rec.flush()
+        (leg,) = spans_by_name(exp)["pd.request"]
+        ids.append(leg.context.trace_id)
+        assert leg.parent is None
+        rec.shutdown()
+    assert ids == [expected, expected]
+
+
+def test_traceparent_wins_and_becomes_the_parent():
+    rec, exp, _ = make("decode")
+    tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    rec.arrive("d-7", bootstrap_room=5, traceparent=tp)
+    rec.enter("d-7", "bootstrap")
+    rec.finish("d-7", "ok")
+    rec.flush()
+    (leg,) = spans_by_name(exp)["pd.request"]
+    assert f"{leg.context.trace_id:032x}" == "4bf92f3577b34da6a3ce929d0e0e4736"
+    assert f"{leg.parent.span_id:016x}" == "00f067aa0ba902b7"
+    assert leg.kind is SpanKind.SERVER
+
+
+def test_stage_spans_are_children_with_recorded_times_and_attributes():
+    rec, exp, clock = make("prefill")
+    t0 = clock.now
+    rec.arrive("p-1", bootstrap_room=77, prompt_tokens=128, peer="decode-0")
+    rec.enter("p-1", "bootstrap")
+    clock.advance(1)
+    rec.enter("p-1", "queued")
+    clock.advance(2)
+    rec.enter("p-1", "prefill")
+    clock.advance(3)
+    rec.enter("p-1", "transfer")
+    rec.transfer_info("p-1", nbytes=4096, backend="nixl")
+    clock.advance(4)
+    rec.finish("p-1", "ok")
+    rec.flush()
+    by = spans_by_name(exp)
+    leg = by["pd.request"][0]
+    assert leg.start_time == t0 and leg.end_time == t0 + 10 * 10**9
+    assert leg.attributes["pd.outcome"] == "ok"
+    assert leg.attributes["pd.prompt_tokens"] == 128
+    assert leg.attributes["pd.peer"] == "decode-0"
+    assert leg.status.status_code is StatusCode.UNSET
+    order = ["pd.bootstrap", "pd.queued", "pd.prefill", "pd.transfer"]
+    starts = [by[name][0].start_time for name in order]
+    ends = [by[name][0].end_time for name in order]
+    assert starts == [t0, t0 + 1e9, t0 + 3e9, t0 + 6e9]
+    assert ends[:-1] == starts[1:]  # the end of one stage is the start of the next
+    for name in order:
+        s = by[name][0]
+        assert s.parent.span_id == leg.context.span_id
+        assert s.context.trace_id == leg.context.trace_id
+        assert s.kind is SpanKind.INTERNAL
+        assert s.attributes["pd.stage"] == name[3:]
+        assert s.attributes["pd.rid"] == "p-1" and s.attributes["pd.bootstrap_room"] == 77
+    xfer = by["pd.transfer"][0].attributes
+    assert xfer["pd.transfer.bytes"] == 4096 and xfer["pd.transfer.backend"] == "nixl"
+
+
+def test_failure_marks_stage_and_leg_as_errors_with_the_reason():
+    rec, exp, clock = make("decode")
+    rec.arrive("d-1", bootstrap_room=1)
+    rec.enter("d-1", "bootstrap")
+    rec.enter("d-1", "transfer")
+    clock.advance(1)
+    rec.finish("d-1", "failed", reason="KV transfer failed: remote disconnect")
+    rec.flush()
+    by = spans_by_name(exp)
+    leg, xfer, boot = by["pd.request"][0], by["pd.transfer"][0], by["pd.bootstrap"][0]
+    assert leg.status.status_code is StatusCode.ERROR
+    assert "remote disconnect" in leg.status.description
+    assert leg.attributes["pd.outcome"] == "failed"
+    assert xfer.status.status_code is StatusCode.ERROR
+    assert boot.status.status_code is StatusCode.UNSET
+
+
+def test_heartbeat_lists_open_legs_oldest_first_and_counts_all():
+    rec, exp, clock = make("decode", inventory_max=2)
+    for i in range(3):
+        rec.arrive(f"d-{i}", bootstrap_room=100 + i)
+        rec.enter(f"d-{i}", "bootstrap")
+        clock.advance(1)
+    rec.enter("d-0", "transfer")  # now the newest stage entry
+    clock.advance(1)
+    rec.enter("d-1", "transfer")
+    rec.enter("d-1", "queued")
+    rec.enter("d-1", "decode")
+    rec.token("d-1", 5)
+    rec.loop_tick()
+    rec.loop_tick()
+    rec.drain()
+    rec.heartbeat()
+    rec.flush()
+    (hb,) = spans_by_name(exp)["pd.heartbeat"]
+    a = hb.attributes
+    assert a["pd.open.total"] == 3  # even though the lists are cut to 2
+    assert a["pd.open.count.bootstrap"] == 1 and a["pd.open.count.transfer"] == 1
+    assert a["pd.open.count.decode"] == 1 and a["pd.open.count.queued"] == 0
+    assert list(a["pd.open.rids"]) == ["d-2", "d-0"]
+    assert list(a["pd.open.stages"]) == ["bootstrap", "transfer"]
+    since = list(a["pd.open.stage_since_unix_nano"])
+    assert since == sorted(since)
+    assert all(len(t) == 32 for t in a["pd.open.trace_ids"])
+    assert all(len(s) == 16 for s in a["pd.open.span_ids"])
+    assert a["pd.loop.iterations"] == 2 and a["pd.tokens.generated"] == 5
+    assert a["pd.heartbeat.seq"] == 1 and a["pd.heartbeat.interval_s"] == 0.1
+    assert hb.parent is None
+
+
+def test_inventory_span_ids_name_the_leg_span_that_ends_later():
+    rec, exp, _ = make("prefill")
+    rec.arrive("p-1", bootstrap_room=9)
+    rec.enter("p-1", "bootstrap")
+    rec.drain()
+    rec.heartbeat()
+    rec.finish("p-1", "ok")
+    rec.flush()
+    by = spans_by_name(exp)
+    assert by["pd.heartbeat"][0].attributes["pd.open.span_ids"][0] == f"{by['pd.request'][0].context.span_id:016x}"
+
+
+def test_non_owner_rank_sends_heartbeats_only():
+    rec, exp, _ = make("decode", tp_rank=1, tp_size=2)
+    rec.arrive("d-1", bootstrap_room=3)
+    rec.enter("d-1", "bootstrap")
+    rec.finish("d-1", "ok")
+    rec.drain()
+    rec.heartbeat()
+    rec.flush()
+    by = spans_by_name(exp)
+    assert set(by) == {"pd.heartbeat"}
+    assert "pd.open.total" not in by["pd.heartbeat"][0].attributes
+    assert by["pd.heartbeat"][0].resource.attributes["pd.tp_rank"] == 1
+
+
+def test_resource_carries_the_contract_attributes():
+    rec, exp, _ = make("decode", cluster="c1", gpu_uuids=("GPU-1",))
+    rec.heartbeat()
+    rec.flush()
+    res = exp.get_finished_spans()[0].resource.attributes
+    assert res["pd.cluster"] == "c1" and res["pd.role"] == "decode" and res["pd.instance"] == "decode-0"
+    assert res["service.instance.id"] == rec.instance_id and res["process.pid"] > 0
+    assert res["pd.start_time_unix_nano"] == rec.start_ns
+    assert list(res["pd.gpu.uuids"]) == ["GPU-1"]
+
+
+def test_hot_path_never_raises_and_counts_errors():
+    calls = []
+
+    def broken_clock():  # works once, for the recorder's start time
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("clock gone")
+        return 1
+
+    rec, _, _ = make("prefill", clock=broken_clock)
+    rec.arrive("p-1")
+    rec.enter("p-1", "queued")
+    rec.finish("p-1")
+    assert rec.hook_errors == 3
+
+
+def test_bad_records_are_counted_by_the_worker_not_raised():
+    rec, exp, _ = make("prefill")
+    rec.enter(["unhashable"], "queued")
+    rec.enter("p-1", "no-such-stage")
+    rec.arrive("p-2", bootstrap_room=1)
+    rec.enter("p-2", "bootstrap")
+    rec.finish("p-2", "ok")
+    rec.flush()
+    assert rec.worker_errors == 1
+    assert rec.legs.unknown_stage == 1
+    assert len(spans_by_name(exp)["pd.request"]) == 1
+
+
+def test_full_buffer_drops_new_records_and_counts_them():
+    rec, _, _ = make("prefill", buffer_max=10)
+    for i in range(25):
+        rec.enter(f"p-{i}", "queued")
+    assert rec.dropped == 15
+    assert rec.drain() == 10
+
+
+class BlockingExporter(SpanExporter):
+    def __init__(self):
+        self.release = threading.Event()
+        self.count = 0
+
+    def export(self, spans):
+        self.release.wait(10)
+        self.count += len(spans)
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self):
+        self.release.set()
+
+
+def test_export_queue_is_bounded_and_overflow_counted():
+    exp = BlockingExporter()
+    rec, _, _ = make("prefill", exporter=exp, max_export_queue=8)
+    for i in range(50):
+        rec.arrive(f"p-{i}", bootstrap_room=i)
+        rec.enter(f"p-{i}", "queued")
+        rec.finish(f"p-{i}", "ok")
+    rec.drain()
+    assert rec.sink.dropped > 0
+    assert rec.sink.ended - rec.sink.exporter.taken <= 8
+    exp.release.set()
+    rec.shutdown()
+
+
+def closed_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens here now
+    return port
+
+
+def test_sidecar_down_counts_failures_and_shutdown_is_bounded():
+    cfg = RecorderConfig(
+        role="decode",
+        instance="decode-0",
+        heartbeat_s=0.05,
+        endpoint=f"http://127.0.0.1:{closed_port()}",
+        export_timeout_s=0.5,
+    )
+    rec = Recorder(cfg, environ={}).start()
+    for i in range(20):
+        rec.arrive(f"d-{i}", bootstrap_room=i)
+        rec.enter(f"d-{i}", "bootstrap")
+        rec.finish(f"d-{i}", "ok")
+    deadline = time.monotonic() + 10
+    while rec.sink.exporter.failed_spans == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert rec.sink.exporter.failed_spans > 0
+    t = time.monotonic()
+    rec.shutdown(timeout_s=1)
+    assert time.monotonic() - t < 8
+
+
+def test_config_from_environment_and_validation():
+    cfg = RecorderConfig(role="decode").resolved(
+        {"PDWATCH_CLUSTER": "blue", "PDWATCH_INSTANCE": "decode-3", "PDWATCH_HEARTBEAT_S": "0.5",
+         "PDWATCH_INVENTORY_MAX": "10", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9/"}
+    )
+    assert (cfg.cluster, cfg.instance, cfg.heartbeat_s, cfg.inventory_max) == ("blue", "decode-3", 0.5, 10)
+    assert cfg.endpoint == "http://127.0.0.1:9"
+    with pytest.raises(ValueError, match="PDWATCH_HEARTBEAT_S"):
+        RecorderConfig(role="decode").resolved({"PDWATCH_HEARTBEAT_S": "soon"})
+    with pytest.raises(ValueError, match="role"):
+        RecorderConfig(role="router").resolved({})
