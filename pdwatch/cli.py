@@ -1,0 +1,38 @@
+"""`pdwatch` command line: one subcommand per job, each module imported lazily
+so that `pdwatch --help` stays fast and a subcommand's dependencies load only
+when it runs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+SUBCOMMANDS = {
+    "serve": ("sidecar.server", "run the sidecar: OTLP ingest, stuck detection, metrics and API"),
+    "demo": ("pdwatch.demo", "run the incident in the testbed, watched by a sidecar, and report it"),
+    "testbed": ("testbed.cli", "run the PD testbed alone (prefill and decode over NIXL, with faults)"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(
+        prog="pdwatch",
+        description="Finds the request that hangs in a prefill/decode disaggregated LLM stack while others flow.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, help_text) in SUBCOMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        parser.error(f"unknown command {name!r} (choose from {', '.join(SUBCOMMANDS)})")
+    module_name = SUBCOMMANDS[name][0]
+    module = __import__(module_name, fromlist=["main"])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
