@@ -4,26 +4,34 @@ PY      ?= python3.11
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
+# One requirements file per concern (base, GPU telemetry, SGLang, dashboards),
+# every pin listed, installed together with --no-deps so nothing resolves
+# behind our back.
+REQS    := $(sort $(wildcard requirements*.txt))
+
+# mk/*.mk add what test and demo need beyond the venv (a compiled stub,
+# Debian packages) to these two lists.
+TEST_DEPS :=
+DEMO_DEPS :=
+-include $(sort $(wildcard mk/*.mk))
 
 .PHONY: demo test bench lint clean
 
-$(STAMP): requirements.txt pyproject.toml
+$(STAMP): $(REQS) pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	# every pin is listed, so nothing resolves behind our back
-	$(BIN)/python -m pip install -q --no-deps -r requirements.txt
+	$(BIN)/python -m pip install -q --no-deps $(addprefix -r ,$(REQS))
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
-demo: $(STAMP)
+demo: $(STAMP) $(DEMO_DEPS)
 	$(BIN)/pdwatch demo
 
-test: $(STAMP)
+test: $(STAMP) $(TEST_DEPS)
 	$(BIN)/python -m pytest -q
 
-bench: $(STAMP)
-	$(BIN)/python bench/recorder_cost.py
-	$(BIN)/python bench/ingest_rate.py
+bench: $(STAMP) $(TEST_DEPS)
+	for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
 clean:
 	rm -rf $(VENV) build *.egg-info
