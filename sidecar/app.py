@@ -1,0 +1,156 @@
+"""The sidecar's HTTP surface (contract section 7): thin handlers over the tracker."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import re
+import time
+from typing import Annotated
+
+from fastapi import Depends, FastAPI, HTTPException, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
+
+from . import views
+from .metrics import StageDurations, TrackerCollector
+from .otlp_body import BodyError, decompress, media_type, parse_request, response_body
+from .settings import Settings
+from .tracker import Tracker
+
+log = logging.getLogger("pdwatch.sidecar")
+
+TRACE_ID = re.compile(r"^[0-9a-f]{32}$")
+# Requests being read or applied at once; more are told to come back (429).
+MAX_INGEST_IN_FLIGHT = 32
+
+
+class Sidecar:
+    """Everything one running sidecar owns: settings, tracker, metrics registry."""
+
+    def __init__(self, settings: Settings, *, clock=time.time_ns):
+        self.settings = settings
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.durations = StageDurations(self.registry)
+        self.tracker = Tracker(
+            settings.floors,
+            flow_window_s=settings.flow_window_s,
+            max_open_legs=settings.max_open_legs,
+            max_closed_legs=settings.max_closed_legs,
+            max_instances=settings.max_instances,
+            clock=clock,
+            on_stage_duration=self.durations.observe,
+        )
+        self.registry.register(TrackerCollector(self.tracker, self.durations))
+        self.ingest_in_flight = 0
+        self.ingest_errors = 0
+
+
+def authorized(request: Request) -> None:
+    token = request.app.state.sidecar.settings.token
+    if not token:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, given = header.partition(" ")
+    # Constant-time compare, so response timing does not reveal the token.
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+        raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+
+
+# Ingest and the API need the token when one is set; /metrics and /healthz stay open.
+Auth = Annotated[None, Depends(authorized)]
+
+
+def create_app(settings: Settings | None = None, *, clock=time.time_ns, sidecar: Sidecar | None = None) -> FastAPI:
+    settings = settings or Settings()
+    sc = sidecar or Sidecar(settings, clock=clock)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        # The stuck rule runs on a timer too, so detections are counted even when nobody scrapes.
+        async def judge():
+            while True:
+                await asyncio.sleep(settings.evaluate_interval_s)
+                try:
+                    sc.tracker.evaluate()
+                except Exception:
+                    log.exception("stuck evaluation failed")
+
+        task = asyncio.create_task(judge())
+        try:
+            yield
+        finally:
+            task.cancel()
+
+    app = FastAPI(
+        title="pdwatch sidecar",
+        description="Finds the prefill/decode request that hangs while others flow.",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    app.state.sidecar = sc
+
+
+    @app.post("/v1/traces", summary="OTLP/HTTP trace ingest (protobuf or JSON, optionally gzip)")
+    async def ingest(request: Request, _: Auth) -> Response:
+        if sc.ingest_in_flight >= MAX_INGEST_IN_FLIGHT:
+            return JSONResponse({"detail": "overloaded, retry later"}, status_code=429, headers={"Retry-After": "1"})
+        sc.ingest_in_flight += 1
+        try:
+            media = media_type(request.headers.get("content-type"))
+            limit = settings.max_body_bytes
+            declared = request.headers.get("content-length")
+            if declared is not None and declared.isdigit() and int(declared) > limit:
+                raise BodyError(413, f"body of {declared} bytes exceeds the limit of {limit}")
+            chunks, size = [], 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise BodyError(413, f"body exceeds the limit of {limit} bytes")
+                chunks.append(chunk)
+            body = decompress(b"".join(chunks), request.headers.get("content-encoding"), limit)
+            otlp = parse_request(body, media)
+            try:
+                rejected, messages = sc.tracker.ingest(otlp)
+            except Exception:  # a bug here must not become a 500 that makes exporters retry forever
+                sc.ingest_errors += 1
+                log.exception("ingest failed")
+                raise BodyError(400, "spans could not be applied") from None
+            message = "; ".join(dict.fromkeys(messages))[:1024] if rejected else ""
+            return Response(response_body(rejected, message, media), media_type=media)
+        except BodyError as err:
+            return JSONResponse({"detail": err.message}, status_code=err.status)
+        finally:
+            sc.ingest_in_flight -= 1
+
+    @app.get("/metrics", summary="Prometheus text; OpenMetrics with exemplars when asked for")
+    def metrics(request: Request) -> Response:
+        encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+        return Response(encoder(sc.registry), media_type=content_type)
+
+    @app.get("/api/v1/stuck", summary="Legs stuck past their stage's threshold")
+    def stuck(_: Auth) -> list[dict]:
+        return views.stuck_list(sc.tracker)
+
+    @app.get("/api/v1/requests/{trace_id}", summary="Both legs of one request, with stages and times")
+    def request_detail(trace_id: str, _: Auth) -> dict:
+        trace_id = trace_id.lower()
+        if not TRACE_ID.match(trace_id):
+            raise HTTPException(400, "trace id must be 32 hex digits")
+        detail = views.request_detail(sc.tracker, trace_id)
+        if detail is None:
+            raise HTTPException(404, f"no leg of trace {trace_id} is known")
+        return detail
+
+    @app.get("/api/v1/summary", summary="Per cluster: finished and open legs, flow, stuck; instances")
+    def summary(_: Auth) -> dict:
+        return views.summary(sc.tracker)
+
+    @app.get("/healthz", summary="Liveness")
+    def healthz() -> dict:
+        return {"status": "ok", "tracked_legs": len(sc.tracker.open), "instances": len(sc.tracker.instances)}
+
+    return app

@@ -1,0 +1,45 @@
+"""`pdwatch serve`: run the sidecar under uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from .settings import Settings, add_arguments
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pdwatch serve",
+        description="Run the pdwatch sidecar: OTLP/HTTP ingest, stuck detection, Prometheus metrics and a JSON API. "
+        "Every setting is a flag, else its environment variable, else the default.",
+    )
+    add_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        settings = Settings.from_sources(vars(args))
+    except ValueError as exc:
+        print(f"pdwatch serve: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("pdwatch.sidecar")
+    if settings.host not in ("127.0.0.1", "::1", "localhost") and not settings.token:
+        log.warning("listening on %s without PDWATCH_TOKEN: anyone who reaches it can send spans", settings.host)
+
+    import uvicorn  # imported late: `--help` and bad settings answer fast
+
+    from .app import create_app
+
+    log.info("starting with %r", settings)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
+                log_level=settings.log_level, access_log=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""From OTLP messages to the few facts the tracker uses.
+
+Reads each resource once, each span's attributes once, and checks what the
+contract requires; a span that cannot be used becomes a `Rejection` with a
+reason from a fixed set (the label values of `pdwatch_spans_rejected_total`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.trace.v1.trace_pb2 import Status
+
+from pdwatch import contract as c
+
+# Every reason a span may be rejected for; a closed set keeps the label bounded.
+REASONS = (
+    "unknown_span",  # not a pdwatch span name
+    "missing_attribute",  # a resource or span attribute the contract requires is absent
+    "bad_value",  # an attribute of the wrong type or out of range
+    "bad_id",  # trace or span id of the wrong length, or zero
+    "instance_limit",  # more engine instances than the sidecar tracks
+    "stale_incarnation",  # from a process that has since been replaced
+)
+
+STAGE_SPANS = {c.stage_span_name(s): s for s in c.ALL_STAGES}
+KIND_LEG, KIND_STAGE, KIND_HEARTBEAT = "leg", "stage", "heartbeat"
+
+
+class Rejection(Exception):
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+@dataclass(slots=True)
+class Source:
+    """Who sent a batch of spans: one engine process (resource attributes, contract section 3)."""
+
+    cluster: str
+    pd_instance: str
+    role: str
+    incarnation: str  # service.instance.id
+    tp_rank: int
+    tp_size: int
+    start_ns: int
+    pid: int | None
+    host: str
+    gpu_uuids: tuple[str, ...]
+    service: str
+    version: str
+
+
+@dataclass(slots=True)
+class SpanIn:
+    kind: str
+    stage: str | None  # for stage spans
+    trace_id: str  # 32 lowercase hex
+    span_id: str  # 16 lowercase hex
+    parent_span_id: str | None
+    start_ns: int
+    end_ns: int
+    error: str | None  # status description when the status is ERROR
+    attrs: dict
+
+
+def any_value(v):
+    kind = v.WhichOneof("value")
+    if kind == "string_value":
+        return v.string_value
+    if kind == "int_value":
+        return v.int_value
+    if kind == "double_value":
+        return v.double_value
+    if kind == "bool_value":
+        return v.bool_value
+    if kind == "array_value":
+        return [any_value(x) for x in v.array_value.values]
+    if kind == "bytes_value":
+        return v.bytes_value
+    if kind == "kvlist_value":
+        return {kv.key: any_value(kv.value) for kv in v.kvlist_value.values}
+    return None
+
+
+def attributes(kvs) -> dict:
+    return {kv.key: any_value(kv.value) for kv in kvs}
+
+
+def _str(attrs: dict, key: str, *, required: bool = True, default: str = "") -> str:
+    value = attrs.get(key)
+    if value is None or value == "":
+        if required:
+            raise Rejection("missing_attribute", f"missing attribute {key}")
+        return default
+    if not isinstance(value, str):
+        raise Rejection("bad_value", f"attribute {key} must be a string")
+    return value
+
+
+def _int(attrs: dict, key: str, *, required: bool = False, default: int | None = None) -> int | None:
+    value = attrs.get(key)
+    if value is None:
+        if required:
+            raise Rejection("missing_attribute", f"missing attribute {key}")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise Rejection("bad_value", f"attribute {key} must be an integer")
+    return value
+
+
+def read_source(resource_attrs: dict) -> Source:
+    role = _str(resource_attrs, c.R_ROLE)
+    if role not in c.ROLES:
+        raise Rejection("bad_value", f"resource {c.R_ROLE}={role!r} is not one of {', '.join(c.ROLES)}")
+    uuids = resource_attrs.get(c.R_GPU_UUIDS) or ()
+    if isinstance(uuids, str):
+        uuids = (uuids,)
+    start_ns = _int(resource_attrs, c.R_START_NS, default=0)
+    if start_ns < 0:
+        raise Rejection("bad_value", f"resource {c.R_START_NS} is negative")
+    return Source(
+        cluster=_str(resource_attrs, c.R_CLUSTER, required=False, default="default"),
+        pd_instance=_str(resource_attrs, c.R_INSTANCE),
+        role=role,
+        incarnation=_str(resource_attrs, c.R_INSTANCE_ID),
+        tp_rank=_int(resource_attrs, c.R_TP_RANK, default=0),
+        tp_size=_int(resource_attrs, c.R_TP_SIZE, default=1),
+        start_ns=start_ns,
+        pid=_int(resource_attrs, c.R_PID),
+        host=_str(resource_attrs, c.R_HOST, required=False),
+        gpu_uuids=tuple(str(u) for u in uuids if isinstance(u, str)),
+        service=_str(resource_attrs, c.R_SERVICE_NAME, required=False),
+        version=_str(resource_attrs, c.R_ENGINE_VERSION, required=False),
+    )
+
+
+def read_span(span) -> SpanIn:
+    name = span.name
+    if name == c.SPAN_HEARTBEAT:
+        kind, stage = KIND_HEARTBEAT, None
+    elif name == c.SPAN_LEG:
+        kind, stage = KIND_LEG, None
+    elif name in STAGE_SPANS:
+        kind, stage = KIND_STAGE, STAGE_SPANS[name]
+    else:
+        raise Rejection("unknown_span", f"span {name[:64]!r} is not a pdwatch span")
+    if len(span.trace_id) != 16 or not any(span.trace_id):
+        raise Rejection("bad_id", f"{name}: trace id must be 16 non-zero bytes")
+    if len(span.span_id) != 8 or not any(span.span_id):
+        raise Rejection("bad_id", f"{name}: span id must be 8 non-zero bytes")
+    parent = span.parent_span_id
+    if parent and len(parent) != 8:
+        raise Rejection("bad_id", f"{name}: parent span id must be 8 bytes")
+    start, end = span.start_time_unix_nano, span.end_time_unix_nano
+    if end < start:
+        raise Rejection("bad_value", f"{name}: ends before it starts")
+    error = (span.status.message or "error") if span.status.code == Status.STATUS_CODE_ERROR else None
+    return SpanIn(
+        kind=kind,
+        stage=stage,
+        trace_id=span.trace_id.hex(),
+        span_id=span.span_id.hex(),
+        parent_span_id=parent.hex() if parent else None,
+        start_ns=start,
+        end_ns=end,
+        error=error,
+        attrs=attributes(span.attributes),
+    )
+
+
+def finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def iter_batches(request: ExportTraceServiceRequest):
+    """Yield (source or Rejection, [span protos]) per resource."""
+    for rs in request.resource_spans:
+        spans = [span for ss in rs.scope_spans for span in ss.spans]
+        if not spans:
+            continue
+        try:
+            source = read_source(attributes(rs.resource.attributes))
+        except Rejection as rej:
+            yield rej, spans
+            continue
+        yield source, spans

@@ -1,0 +1,69 @@
+"""Per-stage stuck thresholds that adapt to what the cluster normally does.
+
+threshold(cluster, role, stage) = max(floor(stage), 3 x p99 of that stage's
+durations in the cluster over the last 10 minutes or 1,000 samples, whichever
+is fewer) -- contract section 5. The floor keeps a quiet cluster from paging on
+noise; the p99 term keeps a slow-but-healthy cluster from paging at all.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+WINDOW_S = 600.0
+MAX_SAMPLES = 1000
+P99_FACTOR = 3.0
+
+
+class StageThresholds:
+    def __init__(self, floors: dict[str, float], *, window_s: float = WINDOW_S, max_samples: int = MAX_SAMPLES,
+                 max_keys: int = 4096):
+        self.floors = dict(floors)
+        self.window_ns = int(window_s * 1e9)
+        self.max_samples = max_samples
+        self.max_keys = max_keys
+        # (cluster, role, stage) -> deque of (observed_at_ns, seconds)
+        self._samples: dict[tuple[str, str, str], deque] = {}
+        self._p99_cache: dict[tuple[str, str, str], float | None] = {}
+        self.keys_refused = 0
+
+    def observe(self, key: tuple[str, str, str], seconds: float, now_ns: int) -> None:
+        if not math.isfinite(seconds) or seconds < 0:
+            return
+        window = self._samples.get(key)
+        if window is None:
+            if len(self._samples) >= self.max_keys:
+                self.keys_refused += 1
+                return
+            window = self._samples[key] = deque(maxlen=self.max_samples)
+        window.append((now_ns, seconds))
+        self._p99_cache.pop(key, None)
+
+    def p99(self, key: tuple[str, str, str], now_ns: int) -> float | None:
+        window = self._samples.get(key)
+        if not window:
+            return None
+        cutoff = now_ns - self.window_ns
+        if window[0][0] < cutoff:
+            while window and window[0][0] < cutoff:
+                window.popleft()
+            self._p99_cache.pop(key, None)
+            if not window:
+                return None
+        cached = self._p99_cache.get(key)
+        if cached is not None:
+            return cached
+        values = sorted(v for _, v in window)
+        # Nearest-rank p99: the smallest value with at least 99 % of samples at or below it.
+        value = values[max(0, math.ceil(0.99 * len(values)) - 1)]
+        self._p99_cache[key] = value
+        return value
+
+    def threshold(self, key: tuple[str, str, str], now_ns: int) -> float:
+        floor = self.floors[key[2]]
+        p99 = self.p99(key, now_ns)
+        return floor if p99 is None else max(floor, P99_FACTOR * p99)
+
+    def keys(self):
+        return list(self._samples)

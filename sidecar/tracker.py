@@ -1,0 +1,479 @@
+"""Tracks every open leg from lifecycle spans and heartbeat inventories, and
+judges which are stuck (contract section 5).
+
+All state changes happen under one lock, one OTLP request at a time; readers
+(API, metrics) take the same lock briefly. Spans may arrive late, twice, or out
+of order: each rule below says what it does with a span that tells it nothing new.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import OrderedDict
+from typing import Callable
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from pdwatch import contract as c
+
+from .model import Cluster, Evaluation, Incarnation, Instance, Leg, StuckLeg
+from .spans import KIND_HEARTBEAT, KIND_LEG, KIND_STAGE, REASONS, Rejection, Source, SpanIn, iter_batches, read_span
+from .thresholds import StageThresholds
+
+_STAGE_INDEX = {role: {s: i for i, s in enumerate(stages)} for role, stages in c.STAGES.items()}
+_SEEN_SPANS_MAX = 100_000
+_RESTART_TIMES_MAX = 32
+
+
+def _is_hex(value, length: int) -> bool:
+    if not isinstance(value, str) or len(value) != length:
+        return False
+    try:
+        int(value, 16)
+    except ValueError:
+        return False
+    return value == value.lower()
+
+
+class Tracker:
+    def __init__(
+        self,
+        floors: dict[str, float] | None = None,
+        *,
+        flow_window_s: float = c.DEFAULT_FLOW_WINDOW_S,
+        max_open_legs: int = 200_000,
+        max_closed_legs: int = 50_000,
+        max_instances: int = 1024,
+        clock: Callable[[], int] = time.time_ns,
+        on_stage_duration: Callable[[str, str, str, float, str], None] | None = None,
+        on_stuck: Callable[[Leg, float, float, int], None] | None = None,
+    ):
+        self.thresholds = StageThresholds(floors or c.DEFAULT_FLOORS_S)
+        self.flow_window_ns = int(flow_window_s * 1e9)
+        self.max_open = max_open_legs
+        self.max_closed = max_closed_legs
+        self.max_instances = max_instances
+        self.clock = clock
+        self.on_stage_duration = on_stage_duration
+        self.on_stuck = on_stuck
+        self.lock = threading.RLock()
+        self.open: dict[tuple[str, str], Leg] = {}
+        self.closed: OrderedDict[tuple[str, str], Leg] = OrderedDict()
+        self.instances: dict[tuple[str, str], Instance] = {}
+        self.clusters: dict[str, Cluster] = {}
+        self._seen_spans: OrderedDict[str, None] = OrderedDict()
+        # Monotonic counters, exposed by the metrics collector.
+        self.spans_received = 0
+        self.heartbeats_received = 0
+        self.duplicates = 0
+        self.rejected = dict.fromkeys(REASONS, 0)
+        self.evicted: dict[str, int] = {"open_limit": 0, "closed_limit": 0, "vanished": 0}
+        self.finished: dict[tuple[str, str, str, str], int] = {}  # (cluster, role, pd_instance, outcome)
+        self.stuck_detected: dict[tuple[str, str, str], int] = {}
+        self.last_eval = Evaluation(0, [], {}, {}, {})
+
+    # ---- ingest ------------------------------------------------------------
+
+    def ingest(self, request: ExportTraceServiceRequest) -> tuple[int, list[str]]:
+        """Apply one OTLP request; returns (spans rejected, a few of the reasons as text)."""
+        rejected, messages = 0, []
+        with self.lock:
+            now = self.clock()
+            for source, spans in iter_batches(request):
+                self.spans_received += len(spans)
+                if isinstance(source, Rejection):
+                    rejected += len(spans)
+                    self.rejected[source.reason] += len(spans)
+                    messages.append(source.message)
+                    continue
+                try:
+                    inc = self._incarnation(source, now)
+                except Rejection as rej:
+                    rejected += len(spans)
+                    self.rejected[rej.reason] += len(spans)
+                    messages.append(rej.message)
+                    continue
+                for proto in spans:
+                    try:
+                        span = read_span(proto)
+                        if span.kind == KIND_HEARTBEAT:
+                            self._heartbeat(source, inc, span, now)
+                        elif span.kind == KIND_STAGE:
+                            self._stage(source, inc, span, now)
+                        else:
+                            self._leg_span(source, inc, span, now)
+                    except Rejection as rej:
+                        rejected += 1
+                        self.rejected[rej.reason] += 1
+                        if len(messages) < 8:
+                            messages.append(rej.message)
+        return rejected, messages
+
+    def _seen(self, span_id: str) -> bool:
+        """True if this span was applied before (replays and retries change nothing twice)."""
+        seen = self._seen_spans
+        if span_id in seen:
+            return True
+        seen[span_id] = None
+        if len(seen) > _SEEN_SPANS_MAX:
+            seen.popitem(last=False)
+        return False
+
+    def _incarnation(self, src: Source, now: int) -> Incarnation:
+        key = (src.cluster, src.pd_instance)
+        inst = self.instances.get(key)
+        if inst is None:
+            if len(self.instances) >= self.max_instances:
+                raise Rejection("instance_limit", f"more than {self.max_instances} instances; {key} refused")
+            inst = self.instances[key] = Instance(src.cluster, src.pd_instance, src.role)
+            self.clusters.setdefault(src.cluster, Cluster(src.cluster))
+        inst.role = src.role
+        cur = inst.ranks.get(src.tp_rank)
+        if cur is not None and cur.id == src.incarnation:
+            cur.last_seen_ns = now
+            return cur
+        if cur is not None:
+            if src.incarnation in inst.retired or (src.start_ns and src.start_ns < cur.start_ns):
+                raise Rejection("stale_incarnation",
+                                f"{src.pd_instance} rank {src.tp_rank}: spans from a replaced process")
+            self._retire(inst, cur, now)
+        new = Incarnation(
+            id=src.incarnation, rank=src.tp_rank, tp_size=src.tp_size, start_ns=src.start_ns, pid=src.pid,
+            host=src.host, gpu_uuids=src.gpu_uuids, service=src.service, version=src.version,
+            first_seen_ns=now, last_seen_ns=now,
+        )
+        inst.ranks[src.tp_rank] = new
+        return new
+
+    def _retire(self, inst: Instance, old: Incarnation, now: int) -> None:
+        """A new process under the same pd.instance: the old one's open legs are lost, not stuck."""
+        inst.retired.append(old.id)
+        if old.rank == min(inst.ranks):
+            inst.restarts += 1
+            inst.restart_times_ns.append(now)
+            del inst.restart_times_ns[:-_RESTART_TIMES_MAX]
+        for key in list(old.keys):
+            leg = self.open.pop(key, None)
+            if leg is not None and leg.inc is old:
+                self._close(leg, c.OUTCOME_LOST, leg.stage_since_ns, now)
+        old.keys.clear()
+
+    # ---- legs ----------------------------------------------------------------
+
+    def _new_leg(self, key: tuple[str, str], src: Source, inc: Incarnation) -> Leg:
+        if len(self.open) >= self.max_open:
+            # Oldest-created first: dicts keep insertion order.
+            old_key = next(iter(self.open))
+            old = self.open.pop(old_key)
+            if old.inc is not None:
+                old.inc.keys.discard(old_key)
+            self.evicted["open_limit"] += 1
+        leg = Leg(trace_id=key[0], role=key[1], cluster=src.cluster, pd_instance=src.pd_instance, inc=inc)
+        self.open[key] = leg
+        inc.keys.add(key)
+        return leg
+
+    def _adopt(self, leg: Leg, key, src: Source, inc: Incarnation) -> None:
+        """A leg reported by another process than the one we had (a retry, a migration): latest wins."""
+        if leg.inc is not inc:
+            if leg.inc is not None:
+                leg.inc.keys.discard(key)
+            leg.inc, leg.cluster, leg.pd_instance = inc, src.cluster, src.pd_instance
+            inc.keys.add(key)
+
+    def _remember_closed(self, key, leg: Leg) -> None:
+        self.closed[key] = leg
+        self.closed.move_to_end(key)
+        if len(self.closed) > self.max_closed:
+            self.closed.popitem(last=False)
+            self.evicted["closed_limit"] += 1
+
+    def _close(self, leg: Leg, outcome: str | None, end_ns: int, now: int) -> None:
+        key = (leg.trace_id, leg.role)
+        if leg.inc is not None:
+            leg.inc.keys.discard(key)
+        leg.outcome, leg.end_ns, leg.stuck_at_ns = outcome, end_ns, None
+        self._remember_closed(key, leg)
+        if outcome is None:
+            return
+        fkey = (leg.cluster, leg.role, leg.pd_instance, outcome)
+        self.finished[fkey] = self.finished.get(fkey, 0) + 1
+        cluster = self.clusters.setdefault(leg.cluster, Cluster(leg.cluster))
+        ckey = (leg.role, outcome)
+        cluster.finished[ckey] = cluster.finished.get(ckey, 0) + 1
+        if outcome == "ok":
+            cluster.last_ok_ns = max(cluster.last_ok_ns, now)
+
+    def _leg_span(self, src: Source, inc: Incarnation, span: SpanIn, now: int) -> None:
+        attrs = span.attrs
+        role = attrs.get(c.A_ROLE) or src.role
+        outcome = attrs.get(c.A_OUTCOME)
+        if outcome is None:
+            raise Rejection("missing_attribute", f"pd.request without {c.A_OUTCOME}")
+        if role not in c.ROLES or outcome not in c.OUTCOMES:
+            raise Rejection("bad_value", f"pd.request with role {role!r}, outcome {outcome!r}")
+        if self._seen(span.span_id):
+            self.duplicates += 1
+            return
+        key = (span.trace_id, role)
+        leg = self.open.pop(key, None)
+        if leg is None:
+            leg = self.closed.get(key)
+            if leg is not None and leg.outcome is not None:
+                self.duplicates += 1  # this leg already ended (same leg, resent with a new id)
+                return
+            if leg is None:
+                leg = Leg(trace_id=span.trace_id, role=role, cluster=src.cluster, pd_instance=src.pd_instance, inc=inc)
+        self._fill(leg, attrs)
+        leg.span_id = span.span_id
+        leg.arrive_ns = span.start_ns
+        tokens = attrs.get(c.A_OUTPUT_TOKENS)
+        if isinstance(tokens, int) and not isinstance(tokens, bool):
+            leg.tokens = max(leg.tokens, tokens)
+        self._close(leg, outcome, span.end_ns, now)
+
+    @staticmethod
+    def _fill(leg: Leg, attrs: dict) -> None:
+        rid = attrs.get(c.A_RID)
+        if isinstance(rid, str) and rid:
+            leg.rid = rid
+        room = attrs.get(c.A_ROOM)
+        if isinstance(room, int) and not isinstance(room, bool):
+            leg.room = room
+        peer = attrs.get(c.A_PEER)
+        if isinstance(peer, str) and peer:
+            leg.peer = peer
+
+    def _stage(self, src: Source, inc: Incarnation, span: SpanIn, now: int) -> None:
+        role = span.attrs.get(c.A_ROLE) or src.role
+        order = _STAGE_INDEX.get(role)
+        if order is None or span.stage not in order:
+            raise Rejection("bad_value", f"stage {span.stage!r} is not a stage of role {role!r}")
+        if self._seen(span.span_id):
+            self.duplicates += 1
+            return
+        key = (span.trace_id, role)
+        leg = self.open.get(key) or self.closed.get(key)
+        if leg is None:
+            leg = self._new_leg(key, src, inc)
+        self._fill(leg, span.attrs)
+        if span.parent_span_id and leg.span_id is None:
+            leg.span_id = span.parent_span_id
+        leg.history.append((span.stage, span.start_ns, span.end_ns, span.error))
+        if span.error is None:
+            seconds = (span.end_ns - span.start_ns) / 1e9
+            self.thresholds.observe((src.cluster, role, span.stage), seconds, now)
+            if self.on_stage_duration is not None:
+                self.on_stage_duration(src.cluster, role, span.stage, seconds, span.trace_id)
+        if leg.outcome is not None or self.open.get(key) is not leg:
+            return
+        # The end of one stage is the start of the next: move an open leg on
+        # unless a newer heartbeat already put it further along.
+        here = order[span.stage]
+        if leg.stage is not None and order.get(leg.stage, -1) > here:
+            return
+        stages = c.STAGES[role]
+        if span.error is not None or here + 1 >= len(stages):
+            leg.stage, leg.stage_since_ns, leg.stage_done = span.stage, span.start_ns, True
+        else:
+            leg.stage, leg.stage_since_ns, leg.progress_ns = stages[here + 1], span.end_ns, span.end_ns
+            leg.stuck_at_ns = None
+
+    # ---- heartbeats ----------------------------------------------------------
+
+    def _heartbeat(self, src: Source, inc: Incarnation, span: SpanIn, now: int) -> None:
+        attrs = span.attrs
+        seq = attrs.get(c.H_SEQ)
+        if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+            raise Rejection("missing_attribute", f"pd.heartbeat without a valid {c.H_SEQ}")
+        inventory = self._read_inventory(src, attrs) if c.H_OPEN_TOTAL in attrs else None
+        if seq <= inc.seq:
+            self.duplicates += 1  # a replay or an old heartbeat arriving late
+            return
+        self.heartbeats_received += 1
+        inc.seq = seq
+        inc.last_heartbeat_ns = now
+        inc.offsets.append(now - span.end_ns)
+        interval = attrs.get(c.H_INTERVAL)
+        if isinstance(interval, (int, float)) and not isinstance(interval, bool) and math.isfinite(interval) \
+                and 0 < interval <= 3600:
+            inc.interval_s = float(interval)
+        loop = attrs.get(c.H_LOOP)
+        if isinstance(loop, int) and loop != inc.loop_iterations:
+            inc.loop_iterations, inc.loop_changed_ns = loop, now
+        for name, key in ((c.H_COMPLETED, "completed"), (c.H_FAILED, "failed"), (c.H_TOKENS, "tokens_generated")):
+            value = attrs.get(name)
+            if isinstance(value, int) and not isinstance(value, bool):
+                setattr(inc, key, value)
+        extra = {k: v for k, v in attrs.items()
+                 if (k.startswith("pdwatch.") or k.startswith("pd.engine.")) and isinstance(v, (int, float))}
+        if extra:
+            inc.extra = dict(list(extra.items())[:64])
+        counts = {}
+        for stage in c.STAGES[src.role]:
+            value = attrs.get(c.H_OPEN_COUNT_PREFIX + stage)
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+                counts[stage] = value
+        if counts or inventory is not None:
+            inc.open_counts = counts
+        if inventory is not None:
+            inc.open_total = inventory[0]
+            self._apply_inventory(src, inc, span.start_ns, seq, inventory)
+
+    def _read_inventory(self, src: Source, attrs: dict):
+        """Validate the parallel lists before anything changes (a bad heartbeat changes nothing)."""
+        total = attrs.get(c.H_OPEN_TOTAL)
+        if not isinstance(total, int) or isinstance(total, bool) or total < 0:
+            raise Rejection("bad_value", f"{c.H_OPEN_TOTAL} must be a non-negative integer")
+        tids = attrs.get(c.H_OPEN_TRACE_IDS) or []
+        stages = attrs.get(c.H_OPEN_STAGES) or []
+        since = attrs.get(c.H_OPEN_SINCE) or []
+        n = len(tids)
+        optional = {}
+        for name in (c.H_OPEN_RIDS, c.H_OPEN_TOKENS, c.H_OPEN_SPAN_IDS):
+            value = attrs.get(name)
+            if value is not None:
+                if not isinstance(value, list) or len(value) != n:
+                    raise Rejection("bad_value", f"inventory list {name} has {len(value) if isinstance(value, list) else 'no'} entries, not {n}")
+                optional[name] = value
+        if not (isinstance(tids, list) and isinstance(stages, list) and isinstance(since, list)) \
+                or len(stages) != n or len(since) != n:
+            raise Rejection("bad_value", "inventory lists of unequal length")
+        if n > total:
+            raise Rejection("bad_value", f"inventory lists {n} legs but {c.H_OPEN_TOTAL}={total}")
+        valid = _STAGE_INDEX[src.role]
+        for i in range(n):
+            if not _is_hex(tids[i], 32) or tids[i] == "0" * 32:
+                raise Rejection("bad_id", f"inventory trace id #{i} is not 32 lowercase hex digits")
+            if stages[i] not in valid:
+                raise Rejection("bad_value", f"inventory stage #{i} {str(stages[i])[:32]!r} is not a {src.role} stage")
+            if not isinstance(since[i], int) or isinstance(since[i], bool) or since[i] < 0:
+                raise Rejection("bad_value", f"inventory stage entry time #{i} must be a non-negative integer")
+        rids = optional.get(c.H_OPEN_RIDS) or [""] * n
+        tokens = optional.get(c.H_OPEN_TOKENS) or [0] * n
+        span_ids = optional.get(c.H_OPEN_SPAN_IDS) or [None] * n
+        return total, tids, stages, since, rids, tokens, span_ids
+
+    def _apply_inventory(self, src: Source, inc: Incarnation, hb_ns: int, seq: int, inventory) -> None:
+        total, tids, stages, since, rids, tokens, span_ids = inventory
+        role, order = src.role, _STAGE_INDEX[src.role]
+        for tid, stage, t_in, rid, tok, sid in zip(tids, stages, since, rids, tokens, span_ids):
+            key = (tid, role)
+            leg = self.open.get(key)
+            if leg is None:
+                old = self.closed.get(key)
+                if old is not None and old.outcome is not None:
+                    continue  # already finished: this heartbeat is older news
+                leg = self._new_leg(key, src, inc)
+                if old is not None:  # judged vanished too early (a cut list): it is open after all
+                    del self.closed[key]
+                    leg.history, leg.rid, leg.room, leg.peer = old.history, old.rid, old.room, old.peer
+            else:
+                self._adopt(leg, key, src, inc)
+            if isinstance(rid, str) and rid:
+                leg.rid = rid
+            if _is_hex(sid, 16):
+                leg.span_id = sid
+            if leg.stage != stage:
+                if leg.stage is None or t_in >= leg.stage_since_ns or order[stage] > order.get(leg.stage, -1):
+                    leg.stage, leg.stage_since_ns, leg.progress_ns = stage, t_in, t_in
+                    leg.stage_done, leg.stuck_at_ns = False, None
+            elif t_in > leg.stage_since_ns:
+                leg.stage_since_ns = t_in
+                leg.progress_ns = max(leg.progress_ns, t_in)
+            if isinstance(tok, int) and not isinstance(tok, bool) and tok > leg.tokens:
+                leg.tokens = tok
+                leg.progress_ns = max(leg.progress_ns, hb_ns)  # new tokens: the decode is alive
+            leg.listed_seq = seq
+        # Legs this process no longer lists have ended; their leg span was lost
+        # or is late. When the lists were cut, only legs older than the newest
+        # listed one can be judged.
+        cutoff = hb_ns if len(tids) >= total else min(hb_ns, since[-1] - 1 if since else -1)
+        for key in [k for k in inc.keys]:
+            leg = self.open.get(key)
+            if leg is None or leg.inc is not inc:
+                inc.keys.discard(key)
+                continue
+            if leg.listed_seq != seq and leg.stage_since_ns <= cutoff:
+                del self.open[key]
+                self.evicted["vanished"] += 1
+                self._close(leg, None, hb_ns, hb_ns)
+
+    # ---- judging -------------------------------------------------------------
+
+    def evaluate(self, now: int | None = None) -> Evaluation:
+        """Apply the stuck rule to every open leg; remembers and returns the result."""
+        with self.lock:
+            now = self.clock() if now is None else now
+            thresholds: dict[tuple[str, str, str], float] = {}
+            groups: dict[tuple[str, str, str, str], list] = {}
+            stuck: list[StuckLeg] = []
+            for leg in self.open.values():
+                stage = leg.stage
+                if stage is None or leg.stage_done:
+                    leg.stuck_at_ns = None
+                    continue
+                tkey = (leg.cluster, leg.role, stage)
+                thr = thresholds.get(tkey)
+                if thr is None:
+                    thr = thresholds[tkey] = self.thresholds.threshold(tkey, now)
+                offset = leg.inc.offset_ns() if leg.inc is not None else 0
+                ref = max(leg.stage_since_ns, leg.progress_ns) if stage == "decode" else leg.stage_since_ns
+                age = (now - offset - ref) / 1e9
+                gkey = (leg.cluster, leg.role, stage, leg.pd_instance)
+                group = groups.get(gkey)
+                if group is None:
+                    group = groups[gkey] = [0, 0.0]
+                if age > group[1]:
+                    group[1] = age
+                if age <= thr:
+                    leg.stuck_at_ns = None
+                    continue
+                group[0] += 1
+                stuck.append(StuckLeg(leg, age, thr))
+                if leg.stuck_at_ns is None:
+                    leg.stuck_at_ns = now
+                    if not leg.ever_stuck:
+                        leg.ever_stuck = True
+                        skey = (leg.cluster, leg.role, stage)
+                        self.stuck_detected[skey] = self.stuck_detected.get(skey, 0) + 1
+                        if self.on_stuck is not None:
+                            self.on_stuck(leg, age, thr, now)
+            for key in self.thresholds.keys():
+                if key not in thresholds:
+                    thresholds[key] = self.thresholds.threshold(key, now)
+            for inst in self.instances.values():
+                for stage in c.STAGES[inst.role]:
+                    tkey = (inst.cluster, inst.role, stage)
+                    if tkey not in thresholds:
+                        thresholds[tkey] = self.thresholds.threshold(tkey, now)
+            stuck.sort(key=lambda s: -s.age_s)
+            flowing = {name: cl.last_ok_ns > 0 and now - cl.last_ok_ns <= self.flow_window_ns
+                       for name, cl in self.clusters.items()}
+            self.last_eval = Evaluation(now, stuck, {k: tuple(v) for k, v in groups.items()}, thresholds, flowing)
+            return self.last_eval
+
+    # ---- views ---------------------------------------------------------------
+
+    def instance_up(self, inst: Instance, now: int) -> bool:
+        """Every rank heartbeated within 3 of its intervals (contract section 5)."""
+        if not inst.ranks:
+            return False
+        for inc in inst.ranks.values():
+            if not inc.last_heartbeat_ns:
+                return False
+            if now - inc.last_heartbeat_ns > c.DOWN_AFTER_INTERVALS * inc.interval_s * 1e9:
+                return False
+        return True
+
+    def loop_stalled(self, inst: Instance, now: int) -> bool:
+        """A rank still heartbeats but its scheduler loop counter has not moved for 3 intervals."""
+        for inc in inst.ranks.values():
+            if inc.loop_iterations is None or not inc.last_heartbeat_ns:
+                continue
+            fresh = now - inc.last_heartbeat_ns <= c.DOWN_AFTER_INTERVALS * inc.interval_s * 1e9
+            if fresh and now - inc.loop_changed_ns > c.DOWN_AFTER_INTERVALS * inc.interval_s * 1e9:
+                return True
+        return False
