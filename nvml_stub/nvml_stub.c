@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 
 typedef int nvmlReturn_t;
 
@@ -86,6 +87,7 @@ struct device {
     unsigned long long memory_total, memory_used;
     unsigned int pids[MAX_PIDS];
     unsigned int pid_count;
+    unsigned int delay_ms;          /* every query of this device first sleeps this long */
     nvmlReturn_t error;             /* every query of this device fails with it */
     nvmlReturn_t fail[Q_COUNT];     /* one query fails with it */
 };
@@ -190,6 +192,7 @@ static void parse_line(struct state *s, char *line)
     else if (strcmp(key, "memory_total") == 0) d->memory_total = strtoull(value, NULL, 10);
     else if (strcmp(key, "memory_used") == 0) d->memory_used = strtoull(value, NULL, 10);
     else if (strcmp(key, "pids") == 0) parse_pids(d, value);
+    else if (strcmp(key, "delay_ms") == 0) d->delay_ms = (unsigned int)strtoul(value, NULL, 10);
     else if (strcmp(key, "error") == 0) d->error = parse_error(value);
     else if (strcmp(key, "fail") == 0) {
         char *code = value + strcspn(value, " \t");
@@ -355,7 +358,19 @@ static nvmlReturn_t begin_query(unsigned int index, enum query q, struct device 
         ret = NVML_ERROR_UNINITIALIZED;
     } else {
         refresh_state();
-        if (index >= current.count)
+        /* A hung driver call, as on a GPU in trouble: sleep without the lock
+         * (the other devices stay answerable), then look at the state again. */
+        if (index < current.count && current.devices[index].delay_ms > 0) {
+            unsigned int ms = current.devices[index].delay_ms;
+            pthread_mutex_unlock(&lock);
+            struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+            nanosleep(&ts, NULL);
+            pthread_mutex_lock(&lock);
+            refresh_state();
+        }
+        if (init_refcount == 0)
+            ret = NVML_ERROR_UNINITIALIZED;
+        else if (index >= current.count)
             /* A handle to a device that left the file: it fell off the bus. */
             ret = q == Q_HANDLE ? NVML_ERROR_INVALID_ARGUMENT : NVML_ERROR_GPU_IS_LOST;
         else if (current.devices[index].error != NVML_SUCCESS)
