@@ -160,8 +160,8 @@ class TrackerCollector:
         instances = GaugeMetricFamily("pdwatch_tracked_instances", "Engine instances the sidecar tracks.")
         instances.add_metric([], len(t.instances))
         evicted = CounterMetricFamily("pdwatch_legs_evicted",
-                                      "Legs dropped from tracking: open_limit (memory cap), closed_limit "
-                                      "(history cap), vanished (gone from their engine's inventory without a leg span).",
+                                      "Legs dropped from tracking: open_limit (new legs refused at the memory cap), "
+                                      "closed_limit (finished legs forgotten at the history cap), vanished (gone from their engine's inventory without a leg span).",
                                       labels=["reason"])
         for reason, n in t.evicted.items():
             evicted.add_metric([reason], n)

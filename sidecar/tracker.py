@@ -162,14 +162,12 @@ class Tracker:
 
     # ---- legs ----------------------------------------------------------------
 
-    def _new_leg(self, key: tuple[str, str], src: Source, inc: Incarnation) -> Leg:
+    def _new_leg(self, key: tuple[str, str], src: Source, inc: Incarnation) -> Leg | None:
         if len(self.open) >= self.max_open:
-            # Oldest-created first: dicts keep insertion order.
-            old_key = next(iter(self.open))
-            old = self.open.pop(old_key)
-            if old.inc is not None:
-                old.inc.keys.discard(old_key)
+            # Full: refuse the newcomer rather than drop an old leg, because the
+            # old ones are the stuck candidates (inventories list oldest first).
             self.evicted["open_limit"] += 1
+            return None
         leg = Leg(trace_id=key[0], role=key[1], cluster=src.cluster, pd_instance=src.pd_instance, inc=inc)
         self.open[key] = leg
         inc.keys.add(key)
@@ -255,18 +253,18 @@ class Tracker:
             self.duplicates += 1
             return
         key = (span.trace_id, role)
-        leg = self.open.get(key) or self.closed.get(key)
-        if leg is None:
-            leg = self._new_leg(key, src, inc)
-        self._fill(leg, span.attrs)
-        if span.parent_span_id and leg.span_id is None:
-            leg.span_id = span.parent_span_id
-        leg.history.append((span.stage, span.start_ns, span.end_ns, span.error))
+        leg = self.open.get(key) or self.closed.get(key) or self._new_leg(key, src, inc)
         if span.error is None:
             seconds = (span.end_ns - span.start_ns) / 1e9
             self.thresholds.observe((src.cluster, role, span.stage), seconds, now)
             if self.on_stage_duration is not None:
                 self.on_stage_duration(src.cluster, role, span.stage, seconds, span.trace_id)
+        if leg is None:
+            return
+        self._fill(leg, span.attrs)
+        if span.parent_span_id and leg.span_id is None:
+            leg.span_id = span.parent_span_id
+        leg.history.append((span.stage, span.start_ns, span.end_ns, span.error))
         if leg.outcome is not None or self.open.get(key) is not leg:
             return
         # The end of one stage is the start of the next: move an open leg on
@@ -367,6 +365,8 @@ class Tracker:
                 if old is not None and old.outcome is not None:
                     continue  # already finished: this heartbeat is older news
                 leg = self._new_leg(key, src, inc)
+                if leg is None:
+                    continue
                 if old is not None:  # judged vanished too early (a cut list): it is open after all
                     del self.closed[key]
                     leg.history, leg.rid, leg.room, leg.peer = old.history, old.rid, old.room, old.peer

@@ -1,0 +1,138 @@
+"""Fixtures for the sidecar: engines are real Recorders (real OTel SDK spans),
+encoded with the real OTLP encoder, fed to the tracker under one fake clock."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+
+import pytest
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from engine_patches.recorder import Recorder, RecorderConfig
+from sidecar.tracker import Tracker
+
+T0 = 1_800_000_000_000_000_000
+
+
+class FakeClock:
+    def __init__(self, start_ns: int = T0):
+        self.now = start_ns
+
+    def __call__(self) -> int:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += int(seconds * 1e9)
+
+
+class Engine:
+    """One engine process as the sidecar sees it: a recorder whose spans are handed over on demand."""
+
+    def __init__(self, role: str, instance: str, clock, *, cluster: str = "default", tp_rank: int = 0,
+                 tp_size: int = 1, **cfg):
+        self.exporter = InMemorySpanExporter()
+        self.clock = clock
+        self.rec = Recorder(
+            RecorderConfig(role=role, instance=instance, cluster=cluster, heartbeat_s=1.0, tp_rank=tp_rank,
+                           tp_size=tp_size, **cfg),
+            exporter=self.exporter, clock=clock, environ={},
+        )
+
+    def request(self, heartbeat: bool = False):
+        """Everything recorded so far (plus a heartbeat) as one OTLP request."""
+        self.rec.drain()
+        if heartbeat:
+            self.rec.heartbeat()
+        self.rec.flush()
+        spans = self.exporter.get_finished_spans()
+        self.exporter.clear()
+        return encode_spans(spans)
+
+    def send(self, tracker: Tracker, heartbeat: bool = True):
+        return tracker.ingest(self.request(heartbeat))
+
+    def walk(self, rid: str, room: int, stages, **arrive):
+        self.rec.arrive(rid, bootstrap_room=room, **arrive)
+        for stage in stages:
+            self.rec.enter(rid, stage)
+
+
+@pytest.fixture
+def clock():
+    return FakeClock()
+
+
+@pytest.fixture
+def tracker(clock):
+    return Tracker({"bootstrap": 30, "queued": 60, "prefill": 60, "transfer": 15, "decode": 30}, clock=clock)
+
+
+@pytest.fixture
+def engines(clock):
+    made = []
+
+    def make(role, instance, **kw):
+        e = Engine(role, instance, clock, **kw)
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        e.rec.shutdown(timeout_s=1)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveSidecar:
+    """The real app under a real uvicorn server on a loopback port, in this process (so tests can read state)."""
+
+    def __init__(self, settings, clock=time.time_ns):
+        import uvicorn
+
+        from sidecar.app import create_app
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.app = create_app(settings, clock=clock)
+        self.sidecar = self.app.state.sidecar
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    access_log=False))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture
+def live_sidecar():
+    from sidecar.settings import Settings
+
+    started = []
+
+    def start(clock=time.time_ns, **settings):
+        s = LiveSidecar(Settings(**settings), clock=clock).__enter__()
+        started.append(s)
+        return s
+
+    logging.getLogger("opentelemetry").setLevel(logging.CRITICAL)
+    yield start
+    for s in started:
+        s.__exit__(None, None, None)
