@@ -34,7 +34,6 @@ class Sidecar:
     def __init__(self, settings: Settings, *, clock=time.time_ns):
         self.settings = settings
         self.registry = CollectorRegistry(auto_describe=False)
-        self.durations = StageDurations(self.registry)
         self.tracker = Tracker(
             settings.floors,
             flow_window_s=settings.flow_window_s,
@@ -42,8 +41,10 @@ class Sidecar:
             max_closed_legs=settings.max_closed_legs,
             max_instances=settings.max_instances,
             clock=clock,
-            on_stage_duration=self.durations.observe,
         )
+        self.durations = StageDurations(self.tracker.lock)
+        self.tracker.on_stage_duration = self.durations.observe
+        self.registry.register(self.durations)
         self.registry.register(TrackerCollector(self.tracker, self.durations))
         self.ingest_in_flight = 0
         self.ingest_errors = 0

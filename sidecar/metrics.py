@@ -1,15 +1,19 @@
 """Prometheus exposition of the tracker (contract section 6).
 
-Client_python style: the stage-duration histogram is a real `Histogram`
-(exemplars need it), everything else is built fresh from tracker state by one
-collector on each scrape, so no gauge can go stale and label sets are exactly
-those of live instances.
+Client_python style: collectors build fresh metric families from tracker
+state on each scrape, so no gauge can go stale and label sets are exactly
+those of live instances; ingest only bumps plain counters.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+import bisect
+import math
+import time
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.samples import Exemplar
+from prometheus_client.utils import floatToGoString
 
 from pdwatch import contract as c
 
@@ -24,29 +28,57 @@ L_GROUP = ["cluster", "role", "stage", "pd_instance"]
 
 
 class StageDurations:
-    """pdwatch_stage_duration_seconds, observed as stage spans arrive, with a trace_id exemplar."""
+    """pdwatch_stage_duration_seconds with a trace_id exemplar per bucket.
 
-    def __init__(self, registry: CollectorRegistry, max_label_sets: int = 4096):
-        self.histogram = Histogram(
-            "pdwatch_stage_duration_seconds",
-            "Time legs spent in each stage, from the engines' finished stage spans.",
-            ["cluster", "role", "stage"],
-            buckets=DURATION_BUCKETS,
-            registry=registry,
-        )
-        self._children: dict = {}
+    Kept as plain bucket counts rather than a client `Histogram`: that one
+    validates the exemplar's labels on every observation, which cost more than
+    the rest of ingest together. Exposition still goes through
+    prometheus_client's `HistogramMetricFamily`.
+    """
+
+    def __init__(self, lock, max_label_sets: int = 4096, clock=time.time):
+        self.lock = lock  # the tracker's: observations happen under it
+        self.bounds = DURATION_BUCKETS
+        self._series: dict = {}  # (cluster, role, stage) -> [counts, exemplars, sum]
         self.max_label_sets = max_label_sets
         self.refused = 0
+        self.clock = clock
 
     def observe(self, cluster: str, role: str, stage: str, seconds: float, trace_id: str) -> None:
         key = (cluster, role, stage)
-        child = self._children.get(key)
-        if child is None:
-            if len(self._children) >= self.max_label_sets:
+        series = self._series.get(key)
+        if series is None:
+            if len(self._series) >= self.max_label_sets:
                 self.refused += 1
                 return
-            child = self._children[key] = self.histogram.labels(*key)
-        child.observe(seconds, exemplar={"trace_id": trace_id})
+            n = len(self.bounds) + 1  # the last slot is +Inf
+            series = self._series[key] = [[0] * n, [None] * n, 0.0]
+        i = bisect.bisect_left(self.bounds, seconds)
+        series[0][i] += 1
+        series[1][i] = (trace_id, seconds, self.clock())
+        series[2] += seconds
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        family = HistogramMetricFamily(
+            "pdwatch_stage_duration_seconds",
+            "Time legs spent in each stage, from the engines' finished stage spans.",
+            labels=["cluster", "role", "stage"],
+        )
+        with self.lock:
+            for key, (counts, exemplars, total) in sorted(self._series.items()):
+                buckets, running = [], 0
+                for bound, count, ex in zip((*self.bounds, math.inf), counts, exemplars):
+                    running += count
+                    le = "+Inf" if bound == math.inf else floatToGoString(bound)
+                    if ex is None:
+                        buckets.append((le, running))
+                    else:
+                        buckets.append((le, running, Exemplar({"trace_id": ex[0]}, ex[1], ex[2])))
+                family.add_metric(list(key), buckets, total)
+        return [family]
 
 
 class TrackerCollector:

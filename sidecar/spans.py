@@ -26,6 +26,7 @@ REASONS = (
 )
 
 STAGE_SPANS = {c.stage_span_name(s): s for s in c.ALL_STAGES}
+ZERO16, ZERO8 = bytes(16), bytes(8)
 KIND_LEG, KIND_STAGE, KIND_HEARTBEAT = "leg", "stage", "heartbeat"
 
 
@@ -86,8 +87,17 @@ def any_value(v):
     return None
 
 
+_SCALARS = frozenset(("string_value", "int_value", "double_value", "bool_value"))
+
+
 def attributes(kvs) -> dict:
-    return {kv.key: any_value(kv.value) for kv in kvs}
+    # The hot loop of ingest: scalars inline, only arrays and maps go through any_value.
+    out = {}
+    for kv in kvs:
+        v = kv.value
+        kind = v.WhichOneof("value")
+        out[kv.key] = getattr(v, kind) if kind in _SCALARS else any_value(v)
+    return out
 
 
 def _str(attrs: dict, key: str, *, required: bool = True, default: str = "") -> str:
@@ -138,6 +148,33 @@ def read_source(resource_attrs: dict) -> Source:
     )
 
 
+def room_of(span) -> int | None:
+    """pd.bootstrap_room of a span, without decoding its other attributes."""
+    for kv in span.attributes:
+        if kv.key == c.A_ROOM:
+            value = kv.value.int_value
+            return value if kv.value.WhichOneof("value") == "int_value" else None
+    return None
+
+
+def check_ids(span) -> None:
+    tid, sid, parent = span.trace_id, span.span_id, span.parent_span_id
+    if len(tid) != 16 or tid == ZERO16:
+        raise Rejection("bad_id", f"{span.name[:64]}: trace id must be 16 non-zero bytes")
+    if len(sid) != 8 or sid == ZERO8:
+        raise Rejection("bad_id", f"{span.name[:64]}: span id must be 8 non-zero bytes")
+    if parent and len(parent) != 8:
+        raise Rejection("bad_id", f"{span.name[:64]}: parent span id must be 8 bytes")
+
+
+def status_error(span) -> str | None:
+    """The status description when the span's status is ERROR."""
+    status = span.status
+    if status.code != Status.STATUS_CODE_ERROR:
+        return None
+    return status.message or "error"
+
+
 def read_span(span) -> SpanIn:
     name = span.name
     if name == c.SPAN_HEARTBEAT:
@@ -148,17 +185,12 @@ def read_span(span) -> SpanIn:
         kind, stage = KIND_STAGE, STAGE_SPANS[name]
     else:
         raise Rejection("unknown_span", f"span {name[:64]!r} is not a pdwatch span")
-    if len(span.trace_id) != 16 or not any(span.trace_id):
-        raise Rejection("bad_id", f"{name}: trace id must be 16 non-zero bytes")
-    if len(span.span_id) != 8 or not any(span.span_id):
-        raise Rejection("bad_id", f"{name}: span id must be 8 non-zero bytes")
+    check_ids(span)
     parent = span.parent_span_id
-    if parent and len(parent) != 8:
-        raise Rejection("bad_id", f"{name}: parent span id must be 8 bytes")
     start, end = span.start_time_unix_nano, span.end_time_unix_nano
     if end < start:
         raise Rejection("bad_value", f"{name}: ends before it starts")
-    error = (span.status.message or "error") if span.status.code == Status.STATUS_CODE_ERROR else None
+    error = status_error(span)
     return SpanIn(
         kind=kind,
         stage=stage,

@@ -15,15 +15,20 @@ from collections import OrderedDict
 from typing import Callable
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.trace.v1.trace_pb2 import Status
 
 from pdwatch import contract as c
 
 from .model import Cluster, Evaluation, Incarnation, Instance, Leg, StuckLeg
-from .spans import KIND_HEARTBEAT, KIND_LEG, KIND_STAGE, REASONS, Rejection, Source, SpanIn, iter_batches, read_span
+from .spans import (
+    ZERO8, ZERO16, KIND_HEARTBEAT, REASONS, STAGE_SPANS, Rejection, Source, SpanIn, check_ids, iter_batches,
+    read_span, room_of,
+)
 from .thresholds import StageThresholds
 
 _STAGE_INDEX = {role: {s: i for i, s in enumerate(stages)} for role, stages in c.STAGES.items()}
 _SEEN_SPANS_MAX = 100_000
+_STATUS_ERROR = Status.STATUS_CODE_ERROR
 _RESTART_TIMES_MAX = 32
 
 
@@ -97,11 +102,13 @@ class Tracker:
                     continue
                 for proto in spans:
                     try:
+                        stage = STAGE_SPANS.get(proto.name)
+                        if stage is not None:
+                            self._stage(source, inc, proto, stage, now)
+                            continue
                         span = read_span(proto)
                         if span.kind == KIND_HEARTBEAT:
                             self._heartbeat(source, inc, span, now)
-                        elif span.kind == KIND_STAGE:
-                            self._stage(source, inc, span, now)
                         else:
                             self._leg_span(source, inc, span, now)
                     except Rejection as rej:
@@ -244,39 +251,62 @@ class Tracker:
         if isinstance(peer, str) and peer:
             leg.peer = peer
 
-    def _stage(self, src: Source, inc: Incarnation, span: SpanIn, now: int) -> None:
-        role = span.attrs.get(c.A_ROLE) or src.role
-        order = _STAGE_INDEX.get(role)
-        if order is None or span.stage not in order:
-            raise Rejection("bad_value", f"stage {span.stage!r} is not a stage of role {role!r}")
-        if self._seen(span.span_id):
+    def _stage(self, src: Source, inc: Incarnation, span, stage: str, now: int) -> None:
+        """A finished stage: the bulk of all spans, so read straight off the protobuf.
+
+        Reading a protobuf field costs more than most of the rule below, so each
+        is read once, and attributes are not decoded at all: the role comes from
+        the resource, rid from inventories and leg spans; only a leg new to us
+        has its bootstrap room looked up.
+        """
+        tid, sid, parent = span.trace_id, span.span_id, span.parent_span_id
+        if len(tid) != 16 or tid == ZERO16 or len(sid) != 8 or sid == ZERO8 or (parent and len(parent) != 8):
+            check_ids(span)  # raises with the precise reason
+        start, end = span.start_time_unix_nano, span.end_time_unix_nano
+        if end < start:
+            raise Rejection("bad_value", f"pd.{stage}: ends before it starts")
+        role = src.role
+        order = _STAGE_INDEX[role]
+        here = order.get(stage)
+        if here is None:
+            raise Rejection("bad_value", f"stage {stage!r} is not a stage of role {role!r}")
+        seen = self._seen_spans
+        if sid in seen:
             self.duplicates += 1
             return
-        key = (span.trace_id, role)
-        leg = self.open.get(key) or self.closed.get(key) or self._new_leg(key, src, inc)
-        if span.error is None:
-            seconds = (span.end_ns - span.start_ns) / 1e9
-            self.thresholds.observe((src.cluster, role, span.stage), seconds, now)
+        seen[sid] = None
+        if len(seen) > _SEEN_SPANS_MAX:
+            seen.popitem(last=False)
+        status = span.status
+        error = (status.message or "error") if status.code == _STATUS_ERROR else None
+        trace_id = tid.hex()
+        key = (trace_id, role)
+        leg = self.open.get(key) or self.closed.get(key)
+        if leg is None:
+            leg = self._new_leg(key, src, inc)
+            if leg is not None:
+                leg.room = room_of(span)
+        if error is None:
+            seconds = (end - start) / 1e9
+            self.thresholds.observe((src.cluster, role, stage), seconds, now)
             if self.on_stage_duration is not None:
-                self.on_stage_duration(src.cluster, role, span.stage, seconds, span.trace_id)
+                self.on_stage_duration(src.cluster, role, stage, seconds, trace_id)
         if leg is None:
             return
-        self._fill(leg, span.attrs)
-        if span.parent_span_id and leg.span_id is None:
-            leg.span_id = span.parent_span_id
-        leg.history.append((span.stage, span.start_ns, span.end_ns, span.error))
-        if leg.outcome is not None or self.open.get(key) is not leg:
-            return
+        if leg.span_id is None and parent:
+            leg.span_id = parent.hex()
+        leg.history.append((stage, start, end, error))
+        if leg.end_ns is not None:
+            return  # closed already: history only
         # The end of one stage is the start of the next: move an open leg on
         # unless a newer heartbeat already put it further along.
-        here = order[span.stage]
         if leg.stage is not None and order.get(leg.stage, -1) > here:
             return
         stages = c.STAGES[role]
-        if span.error is not None or here + 1 >= len(stages):
-            leg.stage, leg.stage_since_ns, leg.stage_done = span.stage, span.start_ns, True
+        if error is not None or here + 1 >= len(stages):
+            leg.stage, leg.stage_since_ns, leg.stage_done = stage, start, True
         else:
-            leg.stage, leg.stage_since_ns, leg.progress_ns = stages[here + 1], span.end_ns, span.end_ns
+            leg.stage, leg.stage_since_ns, leg.progress_ns = stages[here + 1], end, end
             leg.stuck_at_ns = None
 
     # ---- heartbeats ----------------------------------------------------------

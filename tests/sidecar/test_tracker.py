@@ -158,13 +158,13 @@ def test_a_cut_inventory_only_judges_legs_older_than_its_newest_entry(tracker, e
         d.walk(f"d-{i}", i, DECODE_TO_TRANSFER)
         clock.advance(1)
     d.send(tracker)  # the inventory lists d-0 and d-1 of 4; stage spans told of d-2 and d-3
-    assert {leg.rid for leg in tracker.open.values()} == {"d-0", "d-1", "d-2", "d-3"}
+    assert {leg.room for leg in tracker.open.values()} == {0, 1, 2, 3}
     d.rec.finish("d-0")
     d.rec.drain()
     d.rec.flush()
     d.exporter.clear()  # d-0's leg span is lost
     d.send(tracker)  # lists d-1, d-2 of 3: d-0 has ended, d-3 may well be open
-    assert {leg.rid for leg in tracker.open.values()} == {"d-1", "d-2", "d-3"}
+    assert {leg.room for leg in tracker.open.values()} == {1, 2, 3}
     assert tracker.evicted["vanished"] == 1
 
 

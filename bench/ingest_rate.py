@@ -1,0 +1,132 @@
+"""Sidecar ingest rate through HTTP, against bare protobuf parsing in the same run.
+
+Builds realistic OTLP/HTTP bodies (the engine recorder's own spans: stage,
+leg and heartbeat spans, 512 per request, as its batch processor sends them),
+then measures in one run:
+  baseline  `ExportTraceServiceRequest.ParseFromString` plus reading every
+            field of every span, in this process, on one core;
+  sidecar   the same bodies POSTed to a real `pdwatch serve` (uvicorn, its own
+            process) over loopback with a keep-alive client, one at a time.
+Goal: the sidecar sustains at least 0.5x the baseline's spans/s.
+
+    python bench/ingest_rate.py [--requests 120] [--spans-per-request 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+import httpx
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from engine_patches.recorder import Recorder, RecorderConfig
+from pdwatch.sidecar_process import SidecarProcess
+
+PREFILL = ("bootstrap", "queued", "prefill", "transfer")
+
+
+def build_bodies(n_requests: int, per_request: int) -> tuple[list[bytes], int]:
+    exporter = InMemorySpanExporter()
+    rec = Recorder(RecorderConfig(role="prefill", instance="bench-prefill-0", heartbeat_s=1.0, max_export_queue=1 << 20,
+                                  buffer_max=1 << 22), exporter=exporter, environ={})
+    bodies, spans_total, room = [], 0, 0
+    while len(bodies) < n_requests:
+        while len(exporter.get_finished_spans()) < per_request - 1:
+            rid = f"p-{room}"
+            rec.arrive(rid, bootstrap_room=room, prompt_tokens=512, peer="decode-0")
+            for stage in PREFILL:
+                rec.enter(rid, stage)
+            rec.transfer_info(rid, nbytes=1 << 20, backend="nixl")
+            rec.finish(rid)
+            room += 1
+            rec.drain()
+            rec.flush()
+        rec.heartbeat()
+        rec.flush()
+        spans = exporter.get_finished_spans()
+        exporter.clear()
+        bodies.append(encode_spans(spans).SerializeToString())
+        spans_total += len(spans)
+    rec.shutdown(1)
+    return bodies, spans_total
+
+
+def read_everything(span) -> int:
+    """Touch every field a consumer could use; returns a number so nothing is optimised away."""
+    n = len(span.name) + len(span.trace_id) + len(span.span_id) + len(span.parent_span_id)
+    n += span.start_time_unix_nano & 1 + span.end_time_unix_nano & 1 + span.kind + span.status.code
+    for kv in span.attributes:
+        v = kv.value
+        kind = v.WhichOneof("value")
+        if kind == "array_value":
+            n += len([getattr(x, x.WhichOneof("value")) for x in v.array_value.values])
+        else:
+            getattr(v, kind)
+        n += len(kv.key)
+    return n
+
+
+def bare_rate(bodies: list[bytes], spans_total: int, repeat: int) -> float:
+    best = 0.0
+    for _ in range(repeat):
+        t = time.perf_counter()
+        for body in bodies:
+            req = ExportTraceServiceRequest()
+            req.ParseFromString(body)
+            for rs in req.resource_spans:
+                for kv in rs.resource.attributes:
+                    getattr(kv.value, kv.value.WhichOneof("value"))
+                for ss in rs.scope_spans:
+                    for span in ss.spans:
+                        read_everything(span)
+        best = max(best, spans_total / (time.perf_counter() - t))
+    return best
+
+
+def sidecar_rate(bodies: list[bytes], spans_total: int) -> tuple[float, dict]:
+    with SidecarProcess(env={"PDWATCH_LOG_LEVEL": "warning"}) as sc:
+        headers = {"Content-Type": "application/x-protobuf"}
+        with httpx.Client(base_url=sc.url, timeout=30) as client:
+            client.post("/v1/traces", content=bodies[0], headers=headers).raise_for_status()  # warm-up
+            t = time.perf_counter()
+            for body in bodies:
+                r = client.post("/v1/traces", content=body, headers=headers)
+                r.raise_for_status()
+            elapsed = time.perf_counter() - t
+            metrics = client.get("/metrics").text
+    seen = {}
+    for line in metrics.splitlines():
+        for name in ("pdwatch_spans_received_total", "pdwatch_spans_duplicate_total"):
+            if line.startswith(name + " "):
+                seen[name] = float(line.split()[1])
+    return spans_total / elapsed, seen
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=120)
+    ap.add_argument("--spans-per-request", type=int, default=512)
+    ap.add_argument("--repeat", type=int, default=3, help="baseline passes; the best is kept")
+    args = ap.parse_args()
+    logging.getLogger("opentelemetry").setLevel(logging.CRITICAL)
+    bodies, spans_total = build_bodies(args.requests, args.spans_per_request)
+    warm = sum(len(ss.spans) for rs in ExportTraceServiceRequest.FromString(bodies[0]).resource_spans
+               for ss in rs.scope_spans)
+    size = sum(map(len, bodies))
+    print(f"{len(bodies)} OTLP/HTTP bodies, {spans_total} spans, {size / len(bodies) / 1024:.0f} KiB each")
+    bare = bare_rate(bodies, spans_total, args.repeat)
+    http, seen = sidecar_rate(bodies, spans_total)
+    print(f"baseline: ParseFromString + read every field   {bare:10.0f} spans/s")
+    print(f"sidecar:  POST /v1/traces, tracked and judged   {http:10.0f} spans/s   ({http / bare:.2f}x baseline)")
+    print(f"sidecar counted {seen.get('pdwatch_spans_received_total', 0):.0f} spans received "
+          f"(sent {spans_total} plus {warm} in the warm-up), "
+          f"{seen.get('pdwatch_spans_duplicate_total', 0):.0f} duplicates")
+    print(f"goal (>= 0.5x baseline): {'met' if http / bare >= 0.5 else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    main()
