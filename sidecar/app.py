@@ -16,6 +16,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from . import views
+from .gpu.collector import GpuCollector
+from .gpu.join import InstanceClaim, Owner, parse_gpu_map
+from .gpu.sampler import GpuSampler
 from .metrics import StageDurations, TrackerCollector
 from .otlp_body import BodyError, decompress, media_type, parse_request, response_body
 from .settings import Settings
@@ -46,8 +49,22 @@ class Sidecar:
         self.tracker.on_stage_duration = self.durations.observe
         self.registry.register(self.durations)
         self.registry.register(TrackerCollector(self.tracker, self.durations))
+        self.gpu = GpuSampler(settings.gpu_interval_s, settings.nvml, library=settings.extra.get("nvml_library"))
+        self.gpu_map = parse_gpu_map(settings.gpu_map)
+        self.registry.register(GpuCollector(self.gpu, self.gpu_claims, self.gpu_map))
         self.ingest_in_flight = 0
         self.ingest_errors = 0
+
+    def gpu_claims(self) -> list[InstanceClaim]:
+        """What each engine process says it drives: GPU UUIDs and its PID, freshest heartbeat first."""
+        with self.tracker.lock:
+            incs = [(inst, inc) for inst in self.tracker.instances.values() for inc in inst.ranks.values()]
+            incs.sort(key=lambda pair: -pair[1].last_heartbeat_ns)
+            return [
+                InstanceClaim(Owner(inst.cluster, inst.role, inst.name), inc.gpu_uuids,
+                              (inc.pid,) if inc.pid else ())
+                for inst, inc in incs
+            ]
 
 
 def authorized(request: Request) -> None:
@@ -81,10 +98,12 @@ def create_app(settings: Settings | None = None, *, clock=time.time_ns, sidecar:
                     log.exception("stuck evaluation failed")
 
         task = asyncio.create_task(judge())
+        sc.gpu.start()  # NVML is opened on the sampler's own thread
         try:
             yield
         finally:
             task.cancel()
+            sc.gpu.stop()
 
     app = FastAPI(
         title="pdwatch sidecar",
@@ -152,6 +171,12 @@ def create_app(settings: Settings | None = None, *, clock=time.time_ns, sidecar:
 
     @app.get("/healthz", summary="Liveness")
     def healthz() -> dict:
-        return {"status": "ok", "tracked_legs": len(sc.tracker.open), "instances": len(sc.tracker.instances)}
+        gpu = sc.gpu.snapshot()
+        return {
+            "status": "ok",
+            "tracked_legs": len(sc.tracker.open),
+            "instances": len(sc.tracker.instances),
+            "gpu_telemetry": {"up": gpu.up, "reason": gpu.reason, "devices": len(gpu.devices), "driver": gpu.driver},
+        }
 
     return app

@@ -23,6 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         settings = Settings.from_sources(vars(args))
+        from .gpu.join import parse_gpu_map
+
+        parse_gpu_map(settings.gpu_map)  # a bad map is a start-up error, not a silent fallback
     except ValueError as exc:
         print(f"pdwatch serve: {exc}", file=sys.stderr)
         return 2
@@ -36,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     from .app import create_app
 
     log.info("starting with %r", settings)
+    if settings.nvml == "off":
+        log.info("GPU telemetry off (PDWATCH_NVML=off)")
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
                 log_level=settings.log_level, access_log=False)
     return 0
