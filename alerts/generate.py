@@ -267,8 +267,7 @@ def _str(value: str) -> str:
 
 
 def _block(key: str, text: str, indent: str) -> list[str]:
-    if "\n" not in text:
-        return [f"{indent}{key}: {_str(text)}"]
+    # A literal block keeps PromQL free of escapes, as a person would write it.
     return [f"{indent}{key}: |-"] + [f"{indent}  {line}" for line in text.splitlines()]
 
 
