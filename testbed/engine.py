@@ -1,0 +1,70 @@
+"""Entry point of one testbed engine process: `python -m testbed.engine --role R`.
+
+Builds the role's engine, prints one JSON "ready" line on stdout once its
+NIXL agent and servers are up, then runs until SIGTERM, or until its parent
+goes away (stdin closes), so that no engine outlives the stack that started it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+
+log = logging.getLogger("testbed.engine")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m testbed.engine", description=__doc__.splitlines()[0])
+    ap.add_argument("--role", choices=("prefill", "decode"), required=True)
+    ap.add_argument("--instance", required=True, help="stable instance name, e.g. decode-0")
+    ap.add_argument("--api-port", type=int, default=0, help="port for the router (0: any free one)")
+    ap.add_argument("--bootstrap-port", type=int, default=0, help="prefill: port of its bootstrap server")
+    ap.add_argument("--prefill-bootstrap-port", type=int, default=0, help="decode: the prefill's bootstrap port")
+    ap.add_argument("--slots", type=int, default=256, help="KV pool slots")
+    ap.add_argument("--slot-bytes", type=int, default=32768, help="bytes per KV pool slot")
+    ap.add_argument("--bytes-per-token", type=int, default=128, help="KV bytes per prompt token")
+    ap.add_argument("--forward-s-per-token", type=float, default=2e-5, help="prefill forward cost per token")
+    ap.add_argument("--token-interval-s", type=float, default=0.05, help="decode: one token per running request per step")
+    ap.add_argument("--max-running", type=int, default=64, help="decode: running batch size")
+    ap.add_argument("--bootstrap-timeout-s", type=float, default=300.0)
+    ap.add_argument("--waiting-timeout-s", type=float, default=300.0, help="decode: KV arrival timeout")
+    ap.add_argument("--service-name", default="pdwatch-testbed")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s {args.instance} %(levelname)s %(name)s: %(message)s")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+
+    def watch_parent() -> None:
+        # The parent holds our stdin open; EOF means it died without stopping us.
+        try:
+            sys.stdin.buffer.read()
+        except Exception:
+            pass
+        stop.set()
+
+    threading.Thread(target=watch_parent, name="parent-watch", daemon=True).start()
+
+    if args.role == "prefill":
+        from .prefill import PrefillEngine as Engine
+    else:
+        from .decode import DecodeEngine as Engine
+    engine = Engine(args)
+    ready = engine.start()
+    print(json.dumps({"ready": True, **ready}), flush=True)
+    stop.wait()
+    engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,239 @@
+"""The router and load generator, run inside the Stack's own process.
+
+Like SGLang's mini load balancer: each request gets a fresh random 63-bit
+`bootstrap_room` (and, when asked, a W3C traceparent), goes to the prefill and
+to a decode chosen round-robin, and the decode's token stream comes back here.
+What the router sees is the testbed's ground truth (`Truth`).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+
+from pdwatch import contract as c
+
+from .wire import Conn
+
+log = logging.getLogger("testbed.router")
+
+
+@dataclass
+class RequestRecord:
+    index: int
+    room: int
+    trace_id: str  # 32 lowercase hex digits, as pdwatch derives it
+    decode: str
+    prompt_tokens: int
+    max_tokens: int
+    sent_at: float  # wall clock, seconds
+    traceparent: str | None = None
+    done_at: float | None = None
+    outcome: str | None = None  # None while open
+    reason: str | None = None
+    tokens: int = 0
+    kv_bytes: int = 0
+
+
+@dataclass
+class Truth:
+    """The router's view: every request sent, and the restarts the stack performed."""
+
+    requests: list[RequestRecord]
+    restarts: list[dict] = field(default_factory=list)
+
+    @property
+    def open(self) -> list[RequestRecord]:
+        return [r for r in self.requests if r.done_at is None]
+
+    @property
+    def completed(self) -> list[RequestRecord]:
+        return [r for r in self.requests if r.outcome == "ok"]
+
+    def outstanding_after_restart(self) -> list[RequestRecord]:
+        """Requests sent to a restarted decode after its restart and still not done."""
+        out = []
+        for r in self.requests:
+            if r.done_at is not None:
+                continue
+            if any(r.decode == ev["instance"] and r.sent_at >= ev["t"] for ev in self.restarts):
+                out.append(r)
+        return out
+
+
+class Router:
+    def __init__(self, prefill_port: int, decodes: dict[str, int], *, seed: int = 1, traceparent: bool = False,
+                 max_open: int = 1024, connect_timeout_s: float = 2.0):
+        if not decodes:
+            raise ValueError("the router needs at least one decode")
+        self.prefill_port = prefill_port
+        self.decodes = dict(decodes)  # instance -> api port
+        self._order = sorted(self.decodes)
+        self._rr = 0
+        self.rng = random.Random(seed)
+        self.traceparent = traceparent
+        self.max_open = max_open
+        self.connect_timeout_s = connect_timeout_s
+        self.records: list[RequestRecord] = []
+        self.restarts: list[dict] = []
+        self.rejected = 0  # requests not sent because max_open legs were in flight
+        self._lock = threading.Lock()
+        self._prefill: Conn | None = None
+        self._prefill_lock = threading.Lock()
+        self._streams: set[Conn] = set()
+        self._closed = False
+
+    # ---- sending ---------------------------------------------------------
+
+    def _prefill_call(self, msg: dict) -> None:
+        with self._prefill_lock:
+            for attempt in (1, 2):
+                try:
+                    if self._prefill is None:
+                        self._prefill = Conn.connect(self.prefill_port, self.connect_timeout_s)
+                    reply = self._prefill.request(msg)
+                    if not reply.get("ok"):
+                        raise RuntimeError(reply.get("error") or "prefill refused the request")
+                    return
+                except OSError:
+                    if self._prefill is not None:
+                        self._prefill.close()
+                        self._prefill = None
+                    if attempt == 2:
+                        raise
+
+    def send(self, prompt_tokens: int, max_tokens: int) -> RequestRecord | None:
+        """Start one request; its stream is read on a thread of its own."""
+        with self._lock:
+            if self._closed:
+                return None
+            if sum(1 for r in self.records if r.done_at is None) >= self.max_open:
+                self.rejected += 1
+                return None
+            room = self.rng.getrandbits(63)
+            decode = self._order[self._rr % len(self._order)]
+            self._rr += 1
+            tp = None
+            if self.traceparent:
+                tp = c.format_traceparent(self.rng.getrandbits(128) or 1, self.rng.getrandbits(64) or 1)
+            trace_id = c.parse_traceparent(tp)[0] if tp else c.room_trace_id(room)
+            rec = RequestRecord(index=len(self.records), room=room, trace_id=f"{trace_id:032x}", decode=decode,
+                                prompt_tokens=prompt_tokens, max_tokens=max_tokens, sent_at=time.time(),
+                                traceparent=tp)
+            self.records.append(rec)
+        threading.Thread(target=self._run_request, args=(rec,), name=f"req-{rec.index}", daemon=True).start()
+        return rec
+
+    def _run_request(self, rec: RequestRecord) -> None:
+        msg = {"op": "generate", "room": rec.room, "prompt_tokens": rec.prompt_tokens, "max_tokens": rec.max_tokens,
+               "traceparent": rec.traceparent}
+        try:
+            conn = Conn.connect(self.decodes[rec.decode], self.connect_timeout_s)
+        except OSError as e:
+            self._done(rec, "failed", f"decode {rec.decode} unreachable: {e}")
+            return
+        with self._lock:
+            self._streams.add(conn)
+        try:
+            conn.send({**msg, "prefill": "prefill-0"})
+            try:
+                self._prefill_call({**msg, "decode": rec.decode})
+            except Exception as e:
+                self._done(rec, "failed", f"prefill unreachable: {e}")
+                return
+            while True:
+                try:
+                    line = conn.recv()
+                except Exception:
+                    line = None
+                if line is None:
+                    # The decode went away mid-request: tell the prefill to drop its leg.
+                    self._done(rec, "failed", f"decode {rec.decode} closed the stream")
+                    self._abort(rec.room, "decode stream lost")
+                    return
+                if "token" in line:
+                    rec.tokens = int(line["token"])
+                if line.get("done"):
+                    rec.kv_bytes = int(line.get("kv_bytes", 0))
+                    self._done(rec, line.get("outcome", "ok"), line.get("reason"))
+                    return
+        finally:
+            with self._lock:
+                self._streams.discard(conn)
+            conn.close()
+
+    def _abort(self, room: int, reason: str) -> None:
+        if self._closed:
+            return
+        try:
+            self._prefill_call({"op": "abort", "room": room, "reason": reason})
+        except Exception:
+            log.debug("abort of room %d not delivered", room, exc_info=True)
+
+    def _done(self, rec: RequestRecord, outcome: str, reason: str | None) -> None:
+        if rec.done_at is None:
+            rec.outcome, rec.reason, rec.done_at = outcome, reason, time.time()
+
+    def note_restart(self, instance: str, t: float) -> None:
+        with self._lock:
+            self.restarts.append({"instance": instance, "t": t})
+
+    def truth(self) -> Truth:
+        with self._lock:
+            return Truth(requests=list(self.records), restarts=list(self.restarts))
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            streams = list(self._streams)
+        for conn in streams:
+            conn.close()
+        with self._prefill_lock:
+            if self._prefill is not None:
+                self._prefill.close()
+                self._prefill = None
+
+
+class LoadGenerator:
+    """Sends requests at `rate` per second (Poisson arrivals), bounded in count and time."""
+
+    def __init__(self, router: Router, shape, *, rate: float, seed: int, duration_s: float | None,
+                 max_requests: int):
+        if not rate > 0:
+            raise ValueError(f"rate must be positive, got {rate}")
+        self.router = router
+        self.shape = shape  # (rng, index) -> (prompt_tokens, max_tokens)
+        self.rate = rate
+        self.rng = random.Random(seed + 7919)
+        self.duration_s = duration_s
+        self.max_requests = max_requests
+        self.sent = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="load-generator", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        t0 = time.monotonic()
+        next_at = t0
+        for i in range(self.max_requests):
+            if self._stop.wait(max(0.0, next_at - time.monotonic())):
+                return
+            if self.duration_s is not None and time.monotonic() - t0 >= self.duration_s:
+                return
+            prompt_tokens, max_tokens = self.shape(self.rng, i)
+            if self.router.send(prompt_tokens, max_tokens) is not None:
+                self.sent += 1
+            next_at += self.rng.expovariate(self.rate)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(2.0)
+
+    @property
+    def finished(self) -> bool:
+        return not self._thread.is_alive()

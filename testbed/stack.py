@@ -1,0 +1,236 @@
+"""The testbed stack: one prefill, two decodes (OS processes over NIXL), router here.
+
+    stack = Stack("decode-restart", otlp_endpoint="http://127.0.0.1:4318")
+    stack.start()                 # returns once every engine is ready
+    stack.poll_events()           # [{"event": "restart", "instance": "decode-0", "t": ...}, ...]
+    stack.truth()                 # the router's ground truth
+    stack.stop()                  # bounded, leaves no process behind
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import threading
+import time
+import weakref
+
+from . import scenarios
+from .processes import EngineProcess, EngineStartError
+from .router import LoadGenerator, Router, Truth
+
+log = logging.getLogger("testbed.stack")
+
+_live_stacks: "weakref.WeakSet[Stack]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for stack in list(_live_stacks):
+        stack.stop()
+
+
+class Stack:
+    def __init__(
+        self,
+        scenario: str,
+        otlp_endpoint: str = "http://127.0.0.1:4318",
+        heartbeat_s: float = 1.0,
+        rate: float = 4.0,
+        restart_at: float = 8.0,
+        seed: int = 1,
+        decode_floor_s: float = 30.0,
+        cluster: str = "default",
+        duration_s: float | None = None,
+        traceparent: bool = False,
+        *,
+        decodes: int = 2,
+        token_interval_s: float = 0.05,
+        max_requests: int | None = None,
+        ready_timeout_s: float = 30.0,
+        stop_timeout_s: float = 5.0,
+    ):
+        self.scenario = scenarios.get(scenario)
+        for name, value in (("heartbeat_s", heartbeat_s), ("rate", rate), ("decode_floor_s", decode_floor_s),
+                            ("token_interval_s", token_interval_s), ("ready_timeout_s", ready_timeout_s)):
+            if not value > 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if restart_at < 0:
+            raise ValueError(f"restart_at must not be negative, got {restart_at}")
+        if duration_s is not None and not duration_s > 0:
+            raise ValueError(f"duration_s must be positive or None, got {duration_s}")
+        if decodes < 1:
+            raise ValueError(f"decodes must be at least 1, got {decodes}")
+        if not otlp_endpoint.startswith(("http://127.0.0.1", "http://localhost", "http://[::1]")):
+            raise ValueError(f"otlp_endpoint must be a loopback http URL, got {otlp_endpoint!r}")
+        self.params = scenarios.Params(rate=rate, restart_at=restart_at, decode_floor_s=decode_floor_s,
+                                       token_interval_s=token_interval_s)
+        self.otlp_endpoint = otlp_endpoint
+        self.heartbeat_s = heartbeat_s
+        self.cluster = cluster
+        self.seed = seed
+        self.duration_s = duration_s
+        self.traceparent = traceparent
+        self.ready_timeout_s = ready_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        if max_requests is None:
+            # Bounded even when no duration is given: one hour at the rate.
+            horizon = duration_s if duration_s is not None else 3600.0
+            max_requests = math.ceil(rate * horizon * 1.5) + 10
+        self.max_requests = max_requests
+        self.engines: dict[str, EngineProcess] = {}
+        self.decode_names = [f"decode-{i}" for i in range(decodes)]
+        self.router: Router | None = None
+        self.loadgen: LoadGenerator | None = None
+        self.started_at: float | None = None
+        self._events: list[dict] = []
+        self._events_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._stopped = False
+        self._actions_thread: threading.Thread | None = None
+
+    # ---- processes ---------------------------------------------------------
+
+    def _engine_env(self, instance: str) -> dict[str, str]:
+        return {
+            "PDWATCH_CLUSTER": self.cluster,
+            "PDWATCH_INSTANCE": instance,
+            "PDWATCH_HEARTBEAT_S": str(self.heartbeat_s),
+            "OTEL_EXPORTER_OTLP_ENDPOINT": self.otlp_endpoint,
+            "UCX_NET_DEVICES": "lo",
+            "UCX_TLS": "tcp,self,sm",
+        }
+
+    def _engine(self, instance: str, role: str, args: list[str]) -> EngineProcess:
+        extra = self.scenario.engine_args(self.params, instance)
+        proc = EngineProcess(instance, role, [*args, *extra], self._engine_env(instance))
+        self.engines[instance] = proc
+        return proc
+
+    def _decode_args(self, port: int = 0) -> list[str]:
+        prefill = self.engines["prefill-0"].info
+        return ["--api-port", str(port), "--prefill-bootstrap-port", str(prefill["bootstrap_port"]),
+                "--token-interval-s", str(self.params.token_interval_s), "--slots", "64"]
+
+    def start(self) -> "Stack":
+        if self.started_at is not None:
+            raise RuntimeError("Stack.start() was already called")
+        _live_stacks.add(self)
+        self.started_at = time.time()
+        try:
+            prefill = self._engine("prefill-0", "prefill", ["--slots", "512"])
+            prefill.spawn()
+            prefill.wait_ready(self.ready_timeout_s)
+            decodes = [self._engine(name, "decode", self._decode_args()) for name in self.decode_names]
+            for proc in decodes:
+                proc.spawn()
+            for proc in decodes:
+                proc.wait_ready(self.ready_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        self.router = Router(prefill.info["api_port"], {p.instance: p.info["api_port"] for p in decodes},
+                             seed=self.seed, traceparent=self.traceparent)
+        self._event("ready", instances={name: p.info.get("agent") for name, p in self.engines.items()},
+                    startup_s=round(time.time() - self.started_at, 3))
+        self.loadgen = LoadGenerator(self.router, lambda rng, i: self.scenario.shape(self.params, rng, i),
+                                     rate=self.params.rate, seed=self.seed, duration_s=self.duration_s,
+                                     max_requests=self.max_requests)
+        self.loadgen.start()
+        self._actions_thread = threading.Thread(target=self._run_actions, name="scenario-actions", daemon=True)
+        self._actions_thread.start()
+        return self
+
+    # ---- scenario actions ----------------------------------------------------
+
+    def _run_actions(self) -> None:
+        t0 = time.monotonic()
+        for at_s, action, instance in sorted(self.scenario.actions(self.params)):
+            if self._stop.wait(max(0.0, at_s - (time.monotonic() - t0))):
+                return
+            try:
+                getattr(self, f"_action_{action.replace('-', '_')}")(instance)
+            except Exception as e:
+                log.exception("scenario action %s on %s failed", action, instance)
+                self._event("action_failed", action=action, instance=instance, error=str(e))
+
+    def _action_restart(self, instance: str) -> None:
+        self.restart(instance)
+
+    def restart(self, instance: str) -> dict:
+        """Kill `instance` (SIGKILL) and start it again alone, on the same port, with a new NIXL agent."""
+        proc = self.engines[instance]
+        if proc.role != "decode":
+            raise ValueError("only decode instances are restarted by the testbed")
+        old_agent, port = proc.info.get("agent"), proc.info["api_port"]
+        t = time.time()
+        proc.kill()
+        if self.router is not None:
+            self.router.note_restart(instance, t)
+        self._event("killed", instance=instance, t=t, agent=old_agent)
+        proc.args = [*self._decode_args(port), *self.scenario.engine_args(self.params, instance)]
+        proc.spawn()
+        info = proc.wait_ready(self.ready_timeout_s)
+        return self._event("restart", instance=instance, t=t, old_agent=old_agent, new_agent=info.get("agent"),
+                           ready_after_s=round(time.time() - t, 3))
+
+    # ---- what callers read -----------------------------------------------------
+
+    def _event(self, name: str, **fields) -> dict:
+        event = {"event": name, "t": fields.pop("t", time.time()), **fields}
+        with self._events_lock:
+            self._events.append(event)
+            del self._events[:-1000]  # bounded: a caller that never polls loses the oldest
+        return event
+
+    def poll_events(self) -> list[dict]:
+        with self._events_lock:
+            out, self._events = self._events, []
+        return out
+
+    def truth(self) -> Truth:
+        if self.router is None:
+            return Truth(requests=[])
+        return self.router.truth()
+
+    def logs(self, instance: str, n: int = 50) -> list[str]:
+        return list(self.engines[instance].log)[-n:]
+
+    def pids(self) -> dict[str, int | None]:
+        return {name: proc.pid for name, proc in self.engines.items()}
+
+    @property
+    def load_done(self) -> bool:
+        return self.loadgen is not None and self.loadgen.finished
+
+    # ---- stop ------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Stop load, router and engines within about stop_timeout_s; idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._stop.set()
+        if self.loadgen is not None:
+            self.loadgen.stop()
+        if self.router is not None:
+            self.router.close()
+        if self._actions_thread is not None:
+            self._actions_thread.join(self.ready_timeout_s)
+        for proc in self.engines.values():
+            proc.begin_stop()
+        deadline = time.monotonic() + self.stop_timeout_s
+        for proc in self.engines.values():
+            proc.finish_stop(deadline)
+        _live_stacks.discard(self)
+        self._event("stopped")
+
+    def __enter__(self) -> "Stack":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+__all__ = ["Stack", "Truth", "EngineStartError"]
