@@ -16,6 +16,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from . import views
+from .diagnosis.classify import verdict
+from .diagnosis.collector import DiagnosisCollector
+from .diagnosis.from_tracker import gather as gather_facts
 from .gpu.collector import GpuCollector
 from .gpu.join import InstanceClaim, Owner, parse_gpu_map
 from .gpu.sampler import GpuSampler
@@ -52,8 +55,12 @@ class Sidecar:
         self.gpu = GpuSampler(settings.gpu_interval_s, settings.nvml, library=settings.extra.get("nvml_library"))
         self.gpu_map = parse_gpu_map(settings.gpu_map)
         self.registry.register(GpuCollector(self.gpu, self.gpu_claims, self.gpu_map))
+        self.registry.register(DiagnosisCollector(self))
         self.ingest_in_flight = 0
         self.ingest_errors = 0
+
+    def diagnosis(self) -> list[dict]:
+        return [verdict(facts) for facts in gather_facts(self)]
 
     def gpu_claims(self) -> list[InstanceClaim]:
         """What each engine process says it drives: GPU UUIDs and its PID, freshest heartbeat first."""
@@ -164,6 +171,10 @@ def create_app(settings: Settings | None = None, *, clock=time.time_ns, sidecar:
         if detail is None:
             raise HTTPException(404, f"no leg of trace {trace_id} is known")
         return detail
+
+    @app.get("/api/v1/diagnosis", summary="Per cluster: failure family, confidence, evidence with figures, action")
+    def diagnosis(_: Auth) -> list[dict]:
+        return sc.diagnosis()
 
     @app.get("/api/v1/summary", summary="Per cluster: finished and open legs, flow, stuck; instances")
     def summary(_: Auth) -> dict:

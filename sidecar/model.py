@@ -61,6 +61,14 @@ class Instance:
     restarts: int = 0
     restart_times_ns: list = field(default_factory=list)  # sidecar clock, bounded
     retired: deque = field(default_factory=lambda: deque(maxlen=16))  # old incarnation ids
+    # Sidecar times of recent ok finishes, for "serves others" (bounded: only recency matters).
+    ok_times_ns: deque = field(default_factory=lambda: deque(maxlen=4096))
+
+    def finished_ok_since(self, since_ns: int) -> int:
+        times = self.ok_times_ns
+        while times and times[0] < since_ns:
+            times.popleft()
+        return len(times)
 
     @property
     def owner(self) -> Incarnation | None:

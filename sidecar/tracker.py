@@ -210,6 +210,9 @@ class Tracker:
         cluster.finished[ckey] = cluster.finished.get(ckey, 0) + 1
         if outcome == "ok":
             cluster.last_ok_ns = max(cluster.last_ok_ns, now)
+            inst = self.instances.get((leg.cluster, leg.pd_instance))
+            if inst is not None:
+                inst.ok_times_ns.append(now)
 
     def _leg_span(self, src: Source, inc: Incarnation, span: SpanIn, now: int) -> None:
         attrs = span.attrs

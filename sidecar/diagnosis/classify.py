@@ -1,0 +1,249 @@
+"""Names the failure family behind stuck requests, as an SRE would reason.
+
+Each rule looks at one cluster's facts and either stays silent or returns a
+Finding whose evidence sentences carry the figures they rest on. The key
+physical inference of the brief lives in `_gpu_reading`: decode GPUs at ~0 %
+utilization and near idle power while requests hang mean the KV transfer is
+wedged; a spinning tensor-parallel collective would read ~100 %.
+"""
+
+from __future__ import annotations
+
+from .facts import ClusterFacts, Finding, GpuFacts, InstanceFacts
+
+BUSY_UTILIZATION = 0.90  # a collective spinning on the GPU
+IDLE_UTILIZATION = 0.10
+# Idle power is not reported by NVML; a GPU drawing under this share of its
+# limit is "near idle" (an H100/H200 idles at ~160 W of 700 W, ~23 %).
+IDLE_POWER_SHARE = 0.35
+# A role restarted this much later than every peer of the other role is "alone".
+RESTART_SKEW_S = 5.0
+REPORT_AT = 0.5  # findings at or above this confidence are "suspected"
+
+ACTIONS = {
+    "transfer_wedge": "inspect the KV transfer peers (prefill's bootstrap/peer table, NIXL agents); "
+                      "if a decode or prefill was restarted alone, co-restart the PD pair",
+    "bootstrap_wedge": "inspect the bootstrap handshake between the PD peers; if one side was restarted alone, "
+                       "co-restart the PD pair",
+    "collective_desync": "dump the stacks of every rank (py-spy dump), check the collective library (NCCL) logs, "
+                         "restart the whole TP group",
+    "queue_starvation": "add capacity or KV memory (decode KV pool, max running requests); check for one huge request",
+    "total_wedge": "nothing finishes anywhere: restart the PD pair; the GPU evidence says which family it resembles",
+    "restart_skew": "co-restart the PD pair so both sides start with clean bootstrap state",
+    "engine_silent": "the process is dead or frozen: check it (crash, OOM, SIGSTOP, hung driver) and restart it",
+}
+
+
+def _pct(x: float | None) -> str:
+    return "?" if x is None else f"{x * 100:.0f} %"
+
+
+def _w(x: float | None) -> str:
+    return "?" if x is None else f"{x:.0f} W"
+
+
+def _gpus(gpus: list[GpuFacts]) -> str:
+    return ",".join(g.gpu for g in gpus)
+
+
+def _gpu_reading(gpus: list[GpuFacts]) -> tuple[str | None, str]:
+    """('idle' | 'busy' | 'mixed' | None, a sentence fragment with the figures)."""
+    known = [g for g in gpus if g.utilization is not None]
+    if not known:
+        return None, "no GPU telemetry"
+    util = sum(g.utilization for g in known) / len(known)
+    powers = [g.power_w for g in known if g.power_w is not None]
+    limits = [g.power_limit_w for g in known if g.power_limit_w]
+    power = sum(powers) / len(powers) if powers else None
+    limit = sum(limits) / len(limits) if limits else None
+    text = f"GPU {_gpus(known)} at {_pct(util)} utilization and {_w(power)}" + (f" of {_w(limit)}" if limit else "")
+    near_idle_power = power is not None and limit is not None and power <= IDLE_POWER_SHARE * limit
+    if util <= IDLE_UTILIZATION and (power is None or limit is None or near_idle_power):
+        return "idle", text
+    if util >= BUSY_UTILIZATION:
+        return "busy", text
+    return "mixed", text
+
+
+def _stuck_sentence(f: ClusterFacts, stages: tuple[str, ...]) -> str:
+    parts, oldest, threshold = [], 0.0, None
+    for (role, stage), n in sorted(f.stuck.items()):
+        if stage in stages and n:
+            parts.append(f"{role} {n}")
+            age = f.oldest_stuck_age_s.get((role, stage), 0.0)
+            if age >= oldest:
+                oldest, threshold = age, f.thresholds_s.get((role, stage))
+    total = f.stuck_in(*stages)
+    thr = f" (threshold {threshold:.0f} s)" if threshold else ""
+    return (f"{total} leg(s) stuck in {'/'.join(stages)} ({', '.join(parts)}) for up to {oldest:.0f} s{thr}")
+
+
+def _flow_sentence(f: ClusterFacts) -> str:
+    return f"{f.finished_ok_recent} other leg(s) finished ok in the last {f.flow_window_s:.0f} s"
+
+
+def _instances_with(f: ClusterFacts, *stages: str) -> list[InstanceFacts]:
+    return [i for i in f.instances if any(i.stuck.get(s, 0) for s in stages)]
+
+
+def engine_silent(f: ClusterFacts) -> Finding | None:
+    down = [i for i in f.instances if not i.up]
+    if not down:
+        return None
+    evidence = [
+        f"{i.role} {i.pd_instance}: no heartbeat for "
+        f"{'?' if i.heartbeat_age_s is None else f'{i.heartbeat_age_s:.0f}'} s (down after 3 intervals)"
+        for i in down
+    ]
+    hung = sum(i.open_legs for i in down)
+    if hung:
+        evidence.append(f"{hung} leg(s) were open on it when it went silent")
+    return Finding("engine_silent", 0.9, evidence, ACTIONS["engine_silent"])
+
+
+def collective_desync(f: ClusterFacts) -> Finding | None:
+    evidence, confidence = [], 0.0
+    for i in f.instances:
+        if not i.up or not i.loop_stalled:
+            continue
+        reading, text = _gpu_reading(i.gpus)
+        if reading == "busy":
+            evidence.append(f"{i.role} {i.pd_instance}: scheduler loop frozen while heartbeats continue; {text}: "
+                            "the ranks spin in a collective that never completes")
+            confidence = max(confidence, 0.85)
+        elif reading is None:
+            evidence.append(f"{i.role} {i.pd_instance}: scheduler loop frozen while heartbeats continue; {text}, "
+                            "so a collective hang cannot be confirmed")
+            confidence = max(confidence, 0.4)
+    if not evidence:
+        return None
+    return Finding("collective_desync", confidence, evidence, ACTIONS["collective_desync"])
+
+
+def transfer_wedge(f: ClusterFacts) -> Finding | None:
+    n = f.stuck_in("transfer")
+    if not n or not f.flowing:
+        return None
+    evidence = [_stuck_sentence(f, ("transfer",)) + f" while {_flow_sentence(f)}"]
+    confidence = 0.6
+    stalled = [i for i in f.instances if i.loop_stalled]
+    if not stalled:
+        evidence.append("every engine's scheduler loop keeps advancing: no engine is wedged, the transfer is")
+        confidence += 0.15
+    decodes = [i for i in _instances_with(f, "transfer") if i.role == "decode"] or \
+              [i for i in f.instances if i.role == "decode" and i.open_legs]
+    gpus = [g for i in decodes for g in i.gpus]
+    reading, text = _gpu_reading(gpus)
+    names = ",".join(i.pd_instance for i in decodes) or "decode"
+    if reading == "idle":
+        evidence.append(f"{names}: {text}, near idle: not a stuck collective, which would read ~100 %")
+        confidence += 0.2
+    elif reading == "busy":
+        evidence.append(f"{names}: {text}: busy, which fits a collective hang better than a transfer wedge")
+        confidence -= 0.2
+    elif reading is None:
+        evidence.append(f"{names}: no GPU telemetry, so a collective hang is not ruled out by power and utilization")
+    return Finding("transfer_wedge", min(confidence, 0.95), evidence, ACTIONS["transfer_wedge"])
+
+
+def _serving_others(i: InstanceFacts) -> bool:
+    return i.finished_ok_recent > 0
+
+
+def queue_starvation(f: ClusterFacts) -> Finding | None:
+    evidence = []
+    for i in f.instances:
+        waiting = i.stuck.get("queued", 0) + (i.stuck.get("bootstrap", 0) if i.role == "decode" else 0)
+        if waiting and _serving_others(i):
+            where = "queued" if i.stuck.get("queued") else "bootstrap, waiting for KV memory"
+            evidence.append(f"{i.role} {i.pd_instance}: {waiting} leg(s) stuck in {where} while it finished "
+                            f"{i.finished_ok_recent} other leg(s) ok in the last {f.flow_window_s:.0f} s")
+    if not evidence:
+        return None
+    return Finding("queue_starvation", 0.75, evidence, ACTIONS["queue_starvation"])
+
+
+def bootstrap_wedge(f: ClusterFacts) -> Finding | None:
+    if not f.stuck_in("bootstrap") or not f.flowing:
+        return None
+    # Decode legs waiting in bootstrap on an instance that serves others are
+    # starved of KV memory, not wedged.
+    wedged = [i for i in _instances_with(f, "bootstrap") if not (i.role == "decode" and _serving_others(i))]
+    if not wedged:
+        return None
+    evidence = [_stuck_sentence(f, ("bootstrap",)) + f" while {_flow_sentence(f)}",
+                "stuck on " + ", ".join(f"{i.role} {i.pd_instance}" for i in wedged)]
+    return Finding("bootstrap_wedge", 0.7, evidence, ACTIONS["bootstrap_wedge"])
+
+
+def total_wedge(f: ClusterFacts) -> Finding | None:
+    stuck = sum(f.stuck.values())
+    if f.flowing or not f.open_legs or not stuck:
+        return None
+    evidence = [f"{f.open_legs} leg(s) open, {stuck} stuck, and no leg finished ok anywhere in the cluster in the "
+                f"last {f.flow_window_s:.0f} s"]
+    busy = [i for i in f.instances if _gpu_reading(i.gpus)[0] == "busy"]
+    idle = [i for i in f.instances if _gpu_reading(i.gpus)[0] == "idle"]
+    if busy:
+        evidence.append("busy GPUs on " + ", ".join(f"{i.pd_instance} ({_gpu_reading(i.gpus)[1]})" for i in busy)
+                        + ": resembles a collective desync")
+    elif idle:
+        evidence.append("idle GPUs on " + ", ".join(f"{i.pd_instance} ({_gpu_reading(i.gpus)[1]})" for i in idle)
+                        + ": resembles a transfer or bootstrap wedge")
+    return Finding("total_wedge", 0.8, evidence, ACTIONS["total_wedge"])
+
+
+def restart_skew(f: ClusterFacts) -> Finding | None:
+    trouble = f.stuck_in("transfer", "bootstrap")
+    if not trouble:
+        return None
+    evidence = []
+    for i in f.instances:
+        if not i.restarts or i.start_time_s is None:
+            continue
+        peers = [p for p in f.instances if p.role != i.role and p.role != "unified" and p.start_time_s is not None]
+        if not peers:
+            continue
+        newest_peer = max(p.start_time_s for p in peers)
+        restarted_peers = [p for p in peers if p.restarts and p.last_restart_age_s is not None
+                           and i.last_restart_age_s is not None and p.last_restart_age_s <= i.last_restart_age_s + 60]
+        gap = i.start_time_s - newest_peer
+        if gap >= RESTART_SKEW_S and not restarted_peers:
+            oldest = min(peers, key=lambda p: p.start_time_s)
+            evidence.append(
+                f"{i.role} {i.pd_instance} was restarted alone ({i.restarts} restart(s), the latest "
+                f"{'?' if i.last_restart_age_s is None else f'{i.last_restart_age_s:.0f}'} s ago): its process started "
+                f"{gap:.0f} s after {oldest.role} {oldest.pd_instance}'s, which kept its bootstrap state"
+            )
+    if not evidence:
+        return None
+    evidence.append(_stuck_sentence(f, ("transfer", "bootstrap")) + " since")
+    return Finding("restart_skew", 0.8, evidence, ACTIONS["restart_skew"])
+
+
+RULES = (engine_silent, collective_desync, total_wedge, transfer_wedge, bootstrap_wedge, queue_starvation,
+         restart_skew)
+
+
+def classify(f: ClusterFacts) -> list[Finding]:
+    """Every family the facts support, most confident first."""
+    findings = [x for rule in RULES if (x := rule(f)) is not None]
+    findings.sort(key=lambda x: -x.confidence)
+    return findings
+
+
+def verdict(f: ClusterFacts) -> dict:
+    """Contract section 7's per-cluster diagnosis: the leading family plus every finding."""
+    findings = [x for x in classify(f) if x.confidence >= REPORT_AT]
+    if not findings:
+        return {"cluster": f.cluster, "family": None, "confidence": 0.0,
+                "evidence": [_flow_sentence(f) + f"; {sum(f.stuck.values())} leg(s) stuck"],
+                "action": "nothing to do", "findings": []}
+    top = findings[0]
+    action = top.action
+    if top.family in ("transfer_wedge", "bootstrap_wedge") and any(x.family == "restart_skew" for x in findings):
+        # The brief's incident: the wedge follows a one-sided restart, and the fix is known.
+        action = ("co-restart the PD pair: one side was restarted alone and the other kept stale bootstrap "
+                  "state; then watch the stuck legs clear")
+    return {"cluster": f.cluster, **top.as_dict(), "action": action,
+            "findings": [x.as_dict() for x in findings]}

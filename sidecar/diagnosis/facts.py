@@ -1,0 +1,62 @@
+"""What the classifier reasons over, independent of where it was gathered."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class GpuFacts:
+    gpu: str  # NVML index
+    uuid: str
+    utilization: float | None  # 0..1
+    power_w: float | None
+    power_limit_w: float | None
+
+
+@dataclass
+class InstanceFacts:
+    pd_instance: str
+    role: str
+    up: bool
+    heartbeat_age_s: float | None
+    loop_stalled: bool
+    start_time_s: float | None  # Unix seconds, current process
+    restarts: int  # new processes seen under this name
+    last_restart_age_s: float | None  # seconds since the latest restart was seen, None if never
+    finished_ok_recent: int  # legs this instance finished ok within the flow window
+    open_legs: int
+    stuck: dict = field(default_factory=dict)  # stage -> stuck legs
+    gpus: list = field(default_factory=list)  # GpuFacts
+
+
+@dataclass
+class ClusterFacts:
+    cluster: str
+    flow_window_s: float
+    finished_ok_recent: int  # legs finished ok anywhere in the cluster within the window
+    open_legs: int
+    stuck: dict = field(default_factory=dict)  # (role, stage) -> stuck legs
+    oldest_stuck_age_s: dict = field(default_factory=dict)  # (role, stage) -> seconds
+    thresholds_s: dict = field(default_factory=dict)  # (role, stage) -> seconds
+    instances: list = field(default_factory=list)  # InstanceFacts
+    gpu_telemetry_up: bool = False
+
+    @property
+    def flowing(self) -> bool:
+        return self.finished_ok_recent > 0
+
+    def stuck_in(self, *stages: str, role: str | None = None) -> int:
+        return sum(n for (r, s), n in self.stuck.items() if s in stages and (role is None or r == role))
+
+
+@dataclass
+class Finding:
+    family: str
+    confidence: float  # 0..1
+    evidence: list  # sentences, each with the figures behind it
+    action: str
+
+    def as_dict(self) -> dict:
+        return {"family": self.family, "confidence": round(self.confidence, 2), "evidence": self.evidence,
+                "action": self.action}

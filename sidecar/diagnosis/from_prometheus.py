@@ -1,0 +1,107 @@
+"""Facts from a Prometheus server that scrapes every sidecar (a whole cluster's view).
+
+Only instant queries over the metrics of contract section 6 (and the
+sidecar's documented additions), so any Prometheus, Thanos or Mimir front end
+that speaks the HTTP query API can serve them.
+"""
+
+from __future__ import annotations
+
+import httpx
+
+from .facts import ClusterFacts, GpuFacts, InstanceFacts
+
+FLOW_WINDOW_S = 60
+
+
+class PrometheusError(RuntimeError):
+    pass
+
+
+def _query(client: httpx.Client, expr: str) -> list[tuple[dict, float]]:
+    try:
+        r = client.get("/api/v1/query", params={"query": expr})
+    except httpx.HTTPError as exc:
+        raise PrometheusError(f"cannot reach Prometheus at {client.base_url}: {exc}") from None
+    try:
+        body = r.json()
+    except ValueError:
+        raise PrometheusError(f"Prometheus answered {r.status_code} with a non-JSON body") from None
+    if r.status_code != 200 or body.get("status") != "success":
+        raise PrometheusError(f"query {expr!r} failed: {body.get('error') or r.status_code}")
+    return [(item["metric"], float(item["value"][1])) for item in body["data"]["result"]]
+
+
+def gather(url: str, *, timeout_s: float = 10.0, headers: dict | None = None,
+           window_s: int = FLOW_WINDOW_S) -> list[ClusterFacts]:
+    with httpx.Client(base_url=url.rstrip("/"), timeout=timeout_s, headers=headers) as client:
+        q = lambda expr: _query(client, expr)  # noqa: E731
+        window = f"{int(window_s)}s"
+        inst_key = lambda m: (m.get("cluster", ""), m.get("pd_instance", ""))  # noqa: E731
+        instances: dict[tuple[str, str], InstanceFacts] = {}
+        clusters: dict[str, ClusterFacts] = {}
+
+        def cluster(name: str) -> ClusterFacts:
+            if name not in clusters:
+                clusters[name] = ClusterFacts(name, float(window_s), 0, 0)
+            return clusters[name]
+
+        for m, v in q("max by (cluster, role, pd_instance) (pdwatch_instance_up)"):
+            instances[inst_key(m)] = InstanceFacts(
+                pd_instance=m.get("pd_instance", ""), role=m.get("role", ""), up=v >= 1, heartbeat_age_s=None,
+                loop_stalled=False, start_time_s=None, restarts=0, last_restart_age_s=None,
+                finished_ok_recent=0, open_legs=0,
+            )
+            cluster(m.get("cluster", ""))
+
+        def each(expr: str):
+            for m, v in q(expr):
+                inst = instances.get(inst_key(m))
+                if inst is not None:
+                    yield m, v, inst
+
+        for _m, v, inst in each("max by (cluster, pd_instance) (pdwatch_instance_heartbeat_age_seconds)"):
+            inst.heartbeat_age_s = v
+        for _m, v, inst in each("max by (cluster, pd_instance) (pdwatch_engine_loop_stalled)"):
+            inst.loop_stalled = v >= 1
+        for _m, v, inst in each("max by (cluster, pd_instance) (pdwatch_instance_start_time_seconds)"):
+            inst.start_time_s = v
+        for _m, v, inst in each("max by (cluster, pd_instance) (pdwatch_instance_restarts_total)"):
+            inst.restarts = int(v)
+        # The current process started at the latest restart.
+        for _m, v, inst in each("max by (cluster, pd_instance) (time() - pdwatch_instance_start_time_seconds)"):
+            inst.last_restart_age_s = v if inst.restarts else None
+        for _m, v, inst in each("sum by (cluster, pd_instance) (increase(pdwatch_requests_finished_total"
+                                f"{{outcome=\"ok\"}}[{window}]))"):
+            inst.finished_ok_recent = int(round(v))
+        for _m, v, inst in each("sum by (cluster, pd_instance) (pdwatch_inflight_requests)"):
+            inst.open_legs = int(v)
+        for m, v, inst in each("sum by (cluster, role, stage, pd_instance) (pdwatch_stuck_requests) > 0"):
+            inst.stuck[m.get("stage", "")] = int(v)
+        for m, v in q("max by (cluster, role, stage) (pdwatch_oldest_stage_age_seconds) and on (cluster, role, stage) "
+                      "sum by (cluster, role, stage) (pdwatch_stuck_requests) > 0"):
+            cluster(m.get("cluster", "")).oldest_stuck_age_s[(m.get("role", ""), m.get("stage", ""))] = v
+        for m, v in q("max by (cluster, role, stage) (pdwatch_stuck_threshold_seconds)"):
+            cluster(m.get("cluster", "")).thresholds_s[(m.get("role", ""), m.get("stage", ""))] = v
+        gpus: dict[tuple[str, str, str], GpuFacts] = {}
+        for name, field in (("pdwatch_gpu_utilization_ratio", "utilization"), ("pdwatch_gpu_power_watts", "power_w"),
+                            ("pdwatch_gpu_power_limit_watts", "power_limit_w")):
+            for m, v in q(f'{name}{{pd_instance!=""}}'):
+                key = (m.get("cluster", ""), m.get("pd_instance", ""), m.get("uuid", "") or m.get("gpu", ""))
+                g = gpus.setdefault(key, GpuFacts(m.get("gpu", ""), m.get("uuid", ""), None, None, None))
+                setattr(g, field, v)
+        for (cl, name, _u), g in sorted(gpus.items()):
+            inst = instances.get((cl, name))
+            if inst is not None:
+                inst.gpus.append(g)
+        telemetry = {m.get("cluster", ""): v for m, v in q("max by (cluster) (pdwatch_gpu_telemetry_up)")}
+        any_up = any(v >= 1 for v in telemetry.values())
+        for (cl, _name), inst in sorted(instances.items()):
+            cf = cluster(cl)
+            cf.instances.append(inst)
+            cf.finished_ok_recent += inst.finished_ok_recent
+            cf.open_legs += inst.open_legs
+            for stage, n in inst.stuck.items():
+                cf.stuck[(inst.role, stage)] = cf.stuck.get((inst.role, stage), 0) + n
+            cf.gpu_telemetry_up = any_up
+        return list(clusters.values())
