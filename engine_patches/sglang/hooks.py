@@ -1,0 +1,384 @@
+"""Hook bodies: translate SGLang objects into recorder calls.
+
+Each hook runs on an SGLang thread (mostly the scheduler's), so it reads a
+field or two and makes one recorder call per request; span building happens on
+the recorder's worker. Every body catches everything and counts it in
+`recorder.hook_errors`: SGLang's HookRegistry lets an exception from a hook
+propagate into the scheduler. AFTER and BEFORE hooks return None (a non-None
+return would replace SGLang's result or arguments). AROUND hooks call the
+original outside their try blocks, so SGLang's own exceptions pass unchanged.
+
+Lifecycle calls go to `state.lc`, set only on the rank that owns request
+bookkeeping; loop ticks and tokens go to `state.rec` on every rank.
+"""
+
+from __future__ import annotations
+
+from .state import state
+
+# Outcome classes for a leg that SGLang ended with an abort-type finish.
+_TIMEOUT_WORDS = ("timed out", "timeout")
+
+
+def _counted_error() -> None:
+    rec = state.rec
+    if rec is not None:
+        rec.hook_errors += 1
+    else:
+        state.early_errors += 1
+
+
+def classify(message: str | None, default: str = "aborted") -> str:
+    """pd.outcome for a leg SGLang ended with this abort / failure message."""
+    text = (message or "").lower()
+    if any(w in text for w in _TIMEOUT_WORDS):
+        return "timeout"
+    if "fail" in text:
+        return "failed"
+    return default
+
+
+def _failure_reason(kv_conn, room) -> str | None:
+    """The KV manager's recorded failure for a room (NIXL / Mooncake / common)."""
+    mgr = getattr(kv_conn, "kv_mgr", None)
+    records = getattr(mgr, "failure_records", None)
+    if records is None or room is None:
+        return None
+    return records.get(room)
+
+
+def _arrive(lc, req, stage: str) -> None:
+    rid = req.rid
+    room = req.bootstrap_room
+    tp = state.traceparents.pop(rid, None)
+    ids = req.origin_input_ids
+    lc.arrive(rid, bootstrap_room=room, traceparent=tp,
+              prompt_tokens=len(ids) if ids is not None else 0, peer=req.bootstrap_host)
+    if room is not None:
+        state.remember_room(room, rid)
+    lc.enter(rid, stage)
+
+
+def _rejected(lc, req) -> None:
+    """A request SGLang refused at intake (over capacity, priority, queue limit).
+
+    SGLang has already streamed the abort, before this AFTER hook opened the
+    leg; close it with SGLang's own message.
+    """
+    msg = getattr(req.finished_reason, "message", None) or "rejected at intake"
+    lc.finish(req.rid, classify(msg), reason=msg)
+    state.forget(req)
+
+
+# ---- process and loop -------------------------------------------------------
+
+def on_scheduler_ready(result, self, *args, **kwargs):
+    try:
+        state.start_for_scheduler(self)
+    except Exception:
+        _counted_error()
+        state.log_start_failure()
+
+
+def on_loop_iteration(self, *args, **kwargs):
+    rec = state.rec
+    if rec is not None:
+        rec.loop_iterations += 1  # Recorder.loop_tick, inlined: once per loop pass
+
+
+def on_generate_request(self, recv_req, *args, **kwargs):
+    if state.lc is None:
+        return
+    try:
+        header = recv_req.external_trace_header
+        if header:
+            tp = header.get("traceparent")
+            if tp:
+                state.keep_traceparent(recv_req.rid, tp)
+    except Exception:
+        _counted_error()
+
+
+def on_unified_arrival(result, self, req, is_retracted=False, *args, **kwargs):
+    lc = state.lc
+    if lc is None or state.role != "unified":
+        return
+    try:
+        if is_retracted:
+            lc.enter(req.rid, "queued")
+            return
+        _arrive(lc, req, "queued")
+        queue = self.waiting_queue
+        if not queue or queue[-1] is not req:
+            _rejected(lc, req)
+    except Exception:
+        _counted_error()
+
+
+def on_prefill_batch(plan, self, *args, **kwargs):
+    lc = state.lc
+    if lc is None or plan is None:
+        return
+    try:
+        batch = plan.batch_to_run
+        if batch is not None:
+            for req in batch.reqs:
+                lc.enter(req.rid, "prefill")
+    except Exception:
+        _counted_error()
+
+
+def on_abort_request(result, self, recv_req, *args, **kwargs):
+    lc = state.lc
+    if lc is None:
+        return
+    try:
+        lc.counter("abort_requests", 1)
+    except Exception:
+        _counted_error()
+
+
+def on_stream_output(result, self, reqs, *args, **kwargs):
+    rec = state.rec
+    if rec is None:
+        return
+    try:
+        lc = state.lc
+        seen = state.tokens_seen
+        count_tokens = state.role != "prefill"
+        for req in reqs:
+            rid = req.rid
+            if count_tokens:
+                n = len(req.output_ids)
+                new = n - seen.get(rid, 0)
+                if new > 0:
+                    if lc is not None and state.role == "unified" and rid not in seen:
+                        lc.enter(rid, "decode")  # unified: the first token ends prefill
+                    seen[rid] = n
+                    rec.token(rid, new)
+            reason = req.finished_reason
+            if reason is not None and lc is not None:
+                msg = getattr(reason, "message", None)
+                if msg is None:  # FINISH_LENGTH, FINISH_MATCHED_*: a normal end
+                    lc.finish(rid, "ok")
+                else:
+                    lc.finish(rid, classify(msg), reason=msg)
+                state.forget(req)
+            elif reason is not None:
+                seen.pop(rid, None)
+    except Exception:
+        _counted_error()
+
+
+# ---- prefill role -------------------------------------------------------------
+
+def on_prefill_bootstrap_add(result, self, req, *args, **kwargs):
+    lc = state.lc
+    if lc is None:
+        return
+    try:
+        _arrive(lc, req, "bootstrap")
+        queue = self.queue
+        if not queue or queue[-1] is not req:
+            _rejected(lc, req)
+    except Exception:
+        _counted_error()
+
+
+def on_prefill_bootstrapped(result, self, *args, **kwargs):
+    lc = state.lc
+    if lc is None or not result:
+        return
+    try:
+        for req in result:
+            lc.enter(req.rid, "queued")
+    except Exception:
+        _counted_error()
+
+
+def on_prefill_batch_result(original, self, *args, **kwargs):
+    lc = state.lc
+    before = -1
+    if lc is not None:
+        try:
+            before = len(self.disagg_prefill_inflight_queue)
+        except Exception:
+            _counted_error()
+    result = original(self, *args, **kwargs)
+    if before >= 0:
+        try:
+            backend = state.backend
+            for req in self.disagg_prefill_inflight_queue[before:]:
+                rid = req.rid
+                lc.enter(rid, "transfer")
+                lc.transfer_info(rid, backend=backend, peer=req.bootstrap_host)
+        except Exception:
+            _counted_error()
+    return result
+
+
+def _finish_failed(lc, req, conn, what: str) -> None:
+    room = req.bootstrap_room
+    detail = _failure_reason(conn, room)
+    stale = state.stale_note()
+    reason = f"{what}: {detail}" if detail else what
+    if stale:
+        reason = f"{reason} ({stale})"
+    lc.finish(req.rid, classify(detail, "failed"), reason=reason)
+    state.forget(req)
+
+
+def on_prefill_bootstrap_failure(self, req, *args, **kwargs):
+    lc = state.lc
+    if lc is None:
+        return
+    try:
+        _finish_failed(lc, req, req.disagg_kv_sender, "bootstrap failed")
+    except Exception:
+        _counted_error()
+
+
+def on_prefill_transfer_failure(self, req, *args, **kwargs):
+    lc = state.lc
+    if lc is None:
+        return
+    try:
+        _finish_failed(lc, req, req.disagg_kv_sender, "kv transfer failed")
+    except Exception:
+        _counted_error()
+
+
+# ---- decode role ----------------------------------------------------------------
+
+def on_decode_prealloc_add(result, self, req, is_retracted=False, *args, **kwargs):
+    lc = state.lc
+    if lc is None:
+        return
+    try:
+        if is_retracted:
+            lc.enter(req.rid, "queued")  # retracted: waits to be resumed into a batch
+            return
+        _arrive(lc, req, "bootstrap")
+        queue = self.queue
+        if not queue or queue[-1].req is not req:
+            _rejected(lc, req)
+    except Exception:
+        _counted_error()
+
+
+def on_decode_transfer_extend(result, self, decode_reqs, *args, **kwargs):
+    lc = state.lc
+    if lc is None:
+        return
+    try:
+        backend = state.backend
+        for dreq in decode_reqs:
+            req = dreq.req
+            lc.enter(req.rid, "transfer")
+            lc.transfer_info(req.rid, backend=backend, peer=req.bootstrap_host)
+    except Exception:
+        _counted_error()
+
+
+def on_decode_transfer_add(result, self, decode_req, *args, **kwargs):
+    on_decode_transfer_extend(result, self, (decode_req,))
+
+
+def on_decode_transferred(result, self, *args, **kwargs):
+    lc = state.lc
+    if lc is None or not result:
+        return
+    try:
+        for req in result:
+            lc.enter(req.rid, "queued")
+    except Exception:
+        _counted_error()
+
+
+def on_decode_transfer_failure(self, decode_req, *args, **kwargs):
+    lc = state.lc
+    if lc is None:
+        return
+    try:
+        _finish_failed(lc, decode_req.req, decode_req.kv_receiver, "kv transfer failed")
+    except Exception:
+        _counted_error()
+
+
+def on_decode_batch(batch, self, *args, **kwargs):
+    lc = state.lc
+    if lc is None or batch is None:
+        return
+    try:
+        for req in batch.reqs:
+            lc.enter(req.rid, "decode")
+    except Exception:
+        _counted_error()
+
+
+# ---- KV managers and NIXL ---------------------------------------------------------
+
+def on_kv_failure(result, self, bootstrap_room, failure_reason, *args, **kwargs):
+    rec = state.rec
+    if rec is None:
+        return
+    try:
+        text = str(failure_reason).lower()
+        timed_out = any(w in text for w in _TIMEOUT_WORDS)
+        rec.counter("kv_timeouts" if timed_out else "kv_transfer_failures", 1)
+    except Exception:
+        _counted_error()
+
+
+def on_nixl_peer_added(original, self, decode_kv_args, *args, **kwargs):
+    replaced = None
+    try:
+        replaced = state.stale_candidates(self.decode_kv_args_table, decode_kv_args)
+    except Exception:
+        _counted_error()
+    result = original(self, decode_kv_args, *args, **kwargs)
+    try:
+        rec = state.rec
+        name = decode_kv_args.agent_name
+        if rec is not None and replaced is not None and name in self.decode_kv_args_table:
+            rec.counter("kv_peers_added", 1)
+            if replaced:
+                state.note_stale(replaced, name)
+                rec.counter("kv_stale_peers", len(replaced))
+    except Exception:
+        _counted_error()
+    return result
+
+
+def on_nixl_peers_invalidated(self, room_transfer_infos, *args, **kwargs):
+    rec = state.rec
+    if rec is None or not room_transfer_infos:
+        return
+    try:
+        table = self.decode_kv_args_table
+        dropped = sum(
+            1 for name in list(room_transfer_infos)
+            if name in table and not self.agent.check_remote_metadata(name)
+        )
+        if dropped:
+            rec.counter("kv_peers_removed", dropped)
+    except Exception:
+        _counted_error()
+
+
+def on_nixl_transfer_request(result, self, bootstrap_room, kv_indices, *args, **kwargs):
+    lc = state.lc
+    if lc is None:
+        return
+    try:
+        infos = self.transfer_infos.get(bootstrap_room)
+        if infos is None:
+            return  # dummy rank or already cleared: nothing is sent
+        per_index = state.bytes_per_index(self)
+        nbytes = state.add_room_bytes(bootstrap_room, len(kv_indices) * per_index)
+        rid = state.room_rids.get(bootstrap_room)
+        if rid is not None:
+            lc.transfer_info(rid, nbytes=nbytes, backend="nixl", peer=",".join(infos))
+        lc.counter("kv_transfer_bytes", len(kv_indices) * per_index)
+    except Exception:
+        _counted_error()

@@ -1,0 +1,184 @@
+"""The plugin's per-process state: the recorder and a few small bounded maps.
+
+One `PluginState` per process (`state`). The recorder is created once, when the
+scheduler has decided its role (`Scheduler.init_disaggregation`), from the
+environment (`engine_patches.recorder.from_env`). Until then every hook is a
+no-op. The maps bridge what SGLang keys differently: the router's traceparent
+arrives before the `Req` exists, and KV-manager callbacks know the
+bootstrap room, not the rid.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger("pdwatch.sglang")
+
+# Bounds for the bridging maps; an entry lives only while its leg is open, so
+# these only fill when SGLang loses requests without streaming them.
+MAX_PENDING = 65536
+_ROLE = {"null": "unified", "prefill": "prefill", "decode": "decode"}
+
+
+def _bounded_put(d: dict, key, value) -> None:
+    if len(d) >= MAX_PENDING:
+        d.pop(next(iter(d)))  # oldest insertion first
+    d[key] = value
+
+
+class PluginState:
+    def __init__(self) -> None:
+        self.rec = None  # every rank: loop ticks, tokens, engine counters
+        self.lc = None  # the bookkeeping rank only: lifecycle calls
+        self.role: str | None = None
+        self.backend: str | None = None
+        self.early_errors = 0  # hook errors before the recorder exists
+        self.traceparents: dict[str, str] = {}
+        self.room_rids: dict[int, str] = {}
+        self.room_bytes: dict[int, int] = {}
+        self.tokens_seen: dict[str, int] = {}
+        self.stale_peers: dict[str, str] = {}  # old agent name -> the name that replaced it
+        self._start_logged = False
+
+    # ---- start-up -----------------------------------------------------------
+
+    def start_for_scheduler(self, scheduler, recorder_factory=None) -> None:
+        """Create this process's recorder from the scheduler's settings (once)."""
+        if self.rec is not None:
+            return
+        from engine_patches.recorder import from_env
+
+        mode = getattr(scheduler.disaggregation_mode, "value", scheduler.disaggregation_mode)
+        role = _ROLE[str(mode)]
+        tp_rank, tp_size, owns = _parallel_ranks(scheduler)
+        overrides = dict(
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            owns_requests=owns,
+            engine_version=_sglang_version(),
+            gpu_uuids=tuple(gpu_uuids(getattr(scheduler, "gpu_id", None))),
+        )
+        rec = (recorder_factory or from_env)(role, **overrides)
+        rec.hook_errors += self.early_errors
+        self.role = role
+        backend = getattr(scheduler, "transfer_backend", None)
+        self.backend = None if backend is None else str(getattr(backend, "value", backend))
+        self.rec = rec
+        self.lc = rec if rec.config.owns_requests else None
+        log.info("pdwatch: recording %s leg telemetry (tp rank %d/%d, lifecycle spans: %s)",
+                 role, tp_rank, tp_size, "yes" if self.lc is not None else "no")
+
+    def log_start_failure(self) -> None:
+        if not self._start_logged:
+            self._start_logged = True
+            log.warning("pdwatch: could not start the recorder; SGLang runs without it", exc_info=True)
+
+    def reset(self) -> None:
+        """Back to a fresh process (tests)."""
+        rec = self.rec
+        self.__init__()
+        if rec is not None:
+            rec.shutdown(timeout_s=1.0)
+
+    # ---- bridging maps --------------------------------------------------------
+
+    def keep_traceparent(self, rid: str, traceparent: str) -> None:
+        _bounded_put(self.traceparents, rid, traceparent)
+
+    def remember_room(self, room: int, rid: str) -> None:
+        _bounded_put(self.room_rids, room, rid)
+
+    def add_room_bytes(self, room: int, n: int) -> int:
+        total = self.room_bytes.get(room, 0) + n
+        if room not in self.room_bytes and len(self.room_bytes) >= MAX_PENDING:
+            self.room_bytes.pop(next(iter(self.room_bytes)))
+        self.room_bytes[room] = total
+        return total
+
+    def forget(self, req) -> None:
+        self.tokens_seen.pop(req.rid, None)
+        self.traceparents.pop(req.rid, None)
+        room = req.bootstrap_room
+        if room is not None and self.room_rids.get(room) == req.rid:
+            del self.room_rids[room]
+            self.room_bytes.pop(room, None)
+
+    # ---- NIXL peers ---------------------------------------------------------------
+
+    @staticmethod
+    def bytes_per_index(mgr) -> int:
+        """Bytes one KV page index moves across all layers (cached on the manager)."""
+        cached = mgr.__dict__.get("_pdwatch_bytes_per_index")
+        if cached is None:
+            cached = int(sum(mgr.kv_args.kv_item_lens))
+            mgr.__dict__["_pdwatch_bytes_per_index"] = cached
+        return cached
+
+    @staticmethod
+    def stale_candidates(table: dict, new) -> list[str] | None:
+        """Names in the peer table for the same decode GPU under another name.
+
+        None when the peer is already known (SGLang ignores it). A decode that
+        restarts registers a fresh NIXL agent name from the same endpoint, GPU
+        and TP rank; SGLang keeps the old entry, and transfers aimed at it fail.
+        """
+        if new.agent_name in table:
+            return None
+        key = (new.endpoint, new.gpu_id, new.decode_tp_rank)
+        return [
+            name for name, old in table.items()
+            if (old.endpoint, old.gpu_id, old.decode_tp_rank) == key
+        ]
+
+    def note_stale(self, old_names: list[str], new_name: str) -> None:
+        for old in old_names:
+            _bounded_put(self.stale_peers, old, new_name)
+
+    def stale_note(self) -> str | None:
+        if not self.stale_peers:
+            return None
+        pairs = list(self.stale_peers.items())[-3:]
+        return "stale NIXL peers: " + ", ".join(f"{o} replaced by {n}" for o, n in pairs)
+
+
+def _parallel_ranks(scheduler) -> tuple[int, int, bool]:
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        par = get_parallel()
+        tp_rank, tp_size = int(par.tp_rank), int(par.tp_size)
+        owns = int(getattr(par, "attn_tp_rank", tp_rank)) == 0
+    except Exception:
+        tp_rank = int(getattr(scheduler, "tp_rank", 0) or 0)
+        tp_size = int(getattr(scheduler, "tp_size", 1) or 1)
+        owns = tp_rank == 0
+    return tp_rank, tp_size, owns
+
+
+def _sglang_version() -> str:
+    try:
+        import sglang
+
+        return str(sglang.__version__)
+    except Exception:
+        return ""
+
+
+def gpu_uuids(gpu_id) -> list[str]:
+    """NVML-style UUIDs (GPU-...) of the device this process drives, when CUDA is there."""
+    if os.environ.get("PDWATCH_GPU_UUIDS"):
+        return [u.strip() for u in os.environ["PDWATCH_GPU_UUIDS"].split(",") if u.strip()]
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return []
+        index = torch.cuda.current_device() if gpu_id is None else int(gpu_id)
+        uuid = str(torch.cuda.get_device_properties(index).uuid)
+        return [uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"]
+    except Exception:
+        return []
+
+
+state = PluginState()
