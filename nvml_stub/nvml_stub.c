@@ -95,6 +95,7 @@ struct device {
 struct state {
     int loaded;                     /* the file was read */
     nvmlReturn_t init_error;
+    nvmlReturn_t count_error;
     char driver[TEXT_LEN];
     struct device devices[MAX_DEVICES];
     unsigned int count;
@@ -175,6 +176,7 @@ static void parse_line(struct state *s, char *line)
 
     if (strcmp(key, "driver") == 0) { copy_text(s->driver, value); return; }
     if (strcmp(key, "init_error") == 0) { s->init_error = parse_error(value); return; }
+    if (strcmp(key, "count_error") == 0) { s->count_error = parse_error(value); return; }
     if (strcmp(key, "device") == 0) {
         if (s->count < MAX_DEVICES)
             s->count++;
@@ -336,7 +338,10 @@ nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *count)
         ret = NVML_ERROR_UNINITIALIZED;
     } else {
         refresh_state();
-        *count = current.count;
+        if (current.count_error != NVML_SUCCESS)
+            ret = current.count_error;
+        else
+            *count = current.count;
     }
     pthread_mutex_unlock(&lock);
     return ret;

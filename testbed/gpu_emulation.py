@@ -36,6 +36,7 @@ class GpuEmulator:
         `power_limit_w` (700), `idle_w` (160), `memory_total` (bytes)."""
         self.path = Path(path)
         self._driver = _text(driver, "driver")
+        self._system_errors: dict[str, str] = {}  # init_error / count_error
         self._lock = threading.Lock()
         self._devices: dict[int, dict[str, Any]] = {}
         for spec in devices:
@@ -115,6 +116,17 @@ class GpuEmulator:
                 dev["delay_ms"] = max(0, int(delay_ms or 0))
             self._write_locked()
 
+    def set_system(self, *, init_error: str | None = _UNSET, count_error: str | None = _UNSET) -> None:
+        """Makes NVML itself fail: `nvmlInit` or `nvmlDeviceGetCount` with an
+        NVML error name (`DRIVER_NOT_LOADED`, `UNKNOWN`, …); None clears."""
+        with self._lock:
+            for key, value in (("init_error", init_error), ("count_error", count_error)):
+                if value is None:
+                    self._system_errors.pop(key, None)
+                elif value is not _UNSET:
+                    self._system_errors[key] = _text(value, "error")
+            self._write_locked()
+
     def busy(self, index: int, fraction: float) -> None:
         """The device does `fraction` of full work: 0 is idle (0 %, idle power), 1 is ~100 % near the limit."""
         f = _fraction(fraction, "work fraction")
@@ -153,6 +165,7 @@ class GpuEmulator:
 
     def _write_locked(self) -> None:
         lines = ["# written by testbed/gpu_emulation.py; format in nvml_stub/README.md", f"driver {self._driver}"]
+        lines += [f"{key} {code}" for key, code in self._system_errors.items()]
         for index in sorted(self._devices):
             d = self._devices[index]
             lines += [
