@@ -517,3 +517,41 @@ def test_unified_leg_queued_prefill_decode(sglang_plugin):
     assert stages == ["pd.queued", "pd.prefill", "pd.decode"]
     (leg,) = r.spans("pd.request")
     assert leg.attributes["pd.outcome"] == "ok" and leg.attributes["pd.output_tokens"] == 2
+
+
+def test_off_unless_enabled(sglang_plugin, monkeypatch):
+    import engine_patches.sglang as pd_plugin
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    monkeypatch.delenv("PDWATCH_SGLANG", raising=False)
+    before = {k: list(v) for k, v in HookRegistry._hooks.items()}
+    pd_plugin.plugin()
+    assert pd_plugin.status == "off"
+    assert {k: list(v) for k, v in HookRegistry._hooks.items()} == before
+    pd_plugin.status = "registered"
+
+
+def test_recorder_from_the_environment_carries_sglang_identity(sglang_plugin, monkeypatch):
+    """What the init_disaggregation hook does in a server: role, TP, version from SGLang."""
+    import sglang
+    from sglang.srt.disaggregation.utils import DisaggregationMode, TransferBackend
+    from sglang.srt.managers.scheduler import Scheduler
+
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{_free_port()}")
+    monkeypatch.setenv("PDWATCH_INSTANCE", "decode-3")
+    monkeypatch.setenv("PDWATCH_GPU_UUIDS", "GPU-11111111-2222-3333-4444-555555555555")
+    state.reset()
+    sched = object.__new__(Scheduler)
+    sched.disaggregation_mode = DisaggregationMode.DECODE
+    sched.transfer_backend = TransferBackend.NIXL
+    sched.gpu_id = 0
+    hooks.on_scheduler_ready(None, sched)  # the AFTER hook on Scheduler.init_disaggregation
+    try:
+        cfg = state.rec.config
+        assert (cfg.role, cfg.instance, cfg.engine_version) == ("decode", "decode-3", sglang.__version__)
+        assert cfg.gpu_uuids == ("GPU-11111111-2222-3333-4444-555555555555",)
+        assert state.lc is state.rec and state.backend == "nixl"
+        hooks.on_scheduler_ready(None, sched)  # once per process
+        assert state.rec.config is cfg
+    finally:
+        state.reset()
