@@ -1,0 +1,270 @@
+"""Forwarding to a trace store: a real uvicorn sidecar forwards to a real
+OTLP/HTTP receiver run by the test, which decodes what arrives."""
+
+from __future__ import annotations
+
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+from opentelemetry.proto.trace.v1.trace_pb2 import Status
+
+from pdwatch import contract as c
+from sidecar.forward import SERVICE_NAME, retry_after_s, traces_url
+
+from .conftest import free_port
+
+PROTOBUF = {"Content-Type": "application/x-protobuf"}
+FAST = {"backoff_s": 0.02, "max_backoff_s": 0.1, "max_attempts": 3, "timeout_s": 2}
+
+
+class Receiver:
+    """An OTLP/HTTP trace receiver: decodes every POST to /v1/traces; answers from a script, then 200."""
+
+    def __init__(self, script=()):
+        self.script = list(script)  # (status, headers) answered before the first 200
+        self.posts: list[tuple[float, bytes]] = []
+        self.requests: list[ExportTraceServiceRequest] = []
+        self.lock = threading.Lock()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("content-length", 0)))
+                with outer.lock:
+                    outer.posts.append((time.monotonic(), body))
+                    answer = outer.script.pop(0) if outer.script else None
+                if self.path != "/v1/traces" or self.headers.get("content-type") != "application/x-protobuf":
+                    answer = (400, {})
+                if answer is not None:
+                    self.send_response(answer[0])
+                    for k, v in answer[1].items():
+                        self.send_header(k, v)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                with outer.lock:
+                    outer.requests.append(ExportTraceServiceRequest.FromString(body))
+                out = ExportTraceServiceResponse().SerializeToString()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def spans(self):
+        """(resource attributes, span) for every span received so far."""
+        out = []
+        with self.lock:
+            for req in self.requests:
+                for rs in req.resource_spans:
+                    res = {kv.key: getattr(kv.value, kv.value.WhichOneof("value")) for kv in rs.resource.attributes}
+                    out.extend((res, s) for ss in rs.scope_spans for s in ss.spans)
+        return out
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def receiver():
+    made = []
+
+    def make(script=()):
+        r = Receiver(script)
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.close()
+
+
+def wait_for(fn, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = fn()
+        if value:
+            return value
+        time.sleep(0.02)
+    return fn()
+
+
+def metric(url: str, name: str, **labels) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return sample.value
+    raise AssertionError(f"{name} {labels} not exposed")
+
+
+def attrs(span) -> dict:
+    return {kv.key: getattr(kv.value, kv.value.WhichOneof("value")) for kv in span.attributes}
+
+
+def all_spans(request: ExportTraceServiceRequest):
+    return [s for rs in request.resource_spans for ss in rs.scope_spans for s in ss.spans]
+
+
+def test_lifecycle_spans_arrive_unchanged_and_heartbeats_stay_home(live_sidecar, receiver, engines, clock):
+    rcv = receiver()
+    sc = live_sidecar(clock=clock, forward_otlp_endpoint=rcv.url, extra={"forward": FAST})
+    p = engines("prefill", "prefill-0")
+    p.walk("p-1", 1, ("bootstrap", "queued", "prefill", "transfer"))
+    clock.advance(0.5)
+    p.rec.finish("p-1")
+    p.walk("p-2", 2, ("bootstrap", "queued"))  # stays open: one stage span so far
+    request = p.request(heartbeat=True)
+    sent = all_spans(request)
+    assert any(s.name == c.SPAN_HEARTBEAT for s in sent)
+    r = httpx.post(f"{sc.url}/v1/traces", content=request.SerializeToString(), headers=PROTOBUF)
+    assert r.status_code == 200
+    lifecycle = [s for s in sent if s.name != c.SPAN_HEARTBEAT]
+    got = wait_for(lambda: len(rcv.spans()) >= len(lifecycle) and rcv.spans())
+    assert len(got) == len(lifecycle)
+    by_id = {s.span_id: (res, s) for res, s in got}
+    for want in lifecycle:
+        res, s = by_id[want.span_id]
+        assert s.name == want.name and s.trace_id == want.trace_id
+        assert s.parent_span_id == want.parent_span_id
+        assert (s.start_time_unix_nano, s.end_time_unix_nano) == (want.start_time_unix_nano, want.end_time_unix_nano)
+        assert s.status == want.status and attrs(s) == attrs(want)
+        assert res[c.R_INSTANCE] == "prefill-0" and res[c.R_ROLE] == "prefill"
+    stages = [s for s in lifecycle if s.name != c.SPAN_LEG and s.trace_id == lifecycle[0].trace_id]
+    leg = next(s for s in lifecycle if s.name == c.SPAN_LEG)
+    assert stages and all(s.parent_span_id == leg.span_id for s in stages)  # the tree survives the trip
+    assert wait_for(lambda: metric(sc.url, "pdwatch_forward_spans_total", kind="lifecycle", result="sent")) \
+        == len(lifecycle)
+    assert metric(sc.url, "pdwatch_forward_queue_depth") == 0
+
+
+def test_a_leg_that_becomes_stuck_sends_one_pd_stuck_span(live_sidecar, receiver, engines, clock):
+    rcv = receiver()
+    sc = live_sidecar(clock=clock, floor_transfer_s=15, forward_otlp_endpoint=rcv.url, extra={"forward": FAST})
+    p = engines("prefill", "prefill-0", cluster="east")
+    p.walk("p-1", 7, ("bootstrap", "queued", "prefill"))
+    clock.advance(1)
+    p.rec.enter("p-1", "transfer")
+    entered = clock.now
+    body = p.request(heartbeat=True).SerializeToString()
+    assert httpx.post(f"{sc.url}/v1/traces", content=body, headers=PROTOBUF).status_code == 200
+    leg = sc.sidecar.tracker.open[(f"{c.room_trace_id(7):032x}", "prefill")]
+    assert leg.span_id  # the heartbeat's pd.open.span_ids named the leg span
+    clock.advance(42)
+    stuck = httpx.get(f"{sc.url}/api/v1/stuck").json()
+    assert [s["trace_id"] for s in stuck] == [leg.trace_id]
+    detected = clock.now
+    found = wait_for(lambda: [(res, s) for res, s in rcv.spans() if s.name == c.SPAN_STUCK])
+    assert len(found) == 1
+    res, span = found[0]
+    assert res == {c.R_SERVICE_NAME: SERVICE_NAME, c.R_CLUSTER: "east"}
+    assert span.trace_id.hex() == leg.trace_id
+    assert span.parent_span_id.hex() == leg.span_id
+    assert span.start_time_unix_nano == entered and span.end_time_unix_nano == detected
+    assert span.status.code == Status.STATUS_CODE_ERROR
+    assert span.status.message == "stuck in transfer for 42 s (threshold 15 s)"
+    a = attrs(span)
+    verdicts = {v["cluster"]: v for v in httpx.get(f"{sc.url}/api/v1/diagnosis").json()}
+    assert a[c.A_FAMILY] == (verdicts["east"].get("family") or "unknown")
+    assert (a[c.A_ROLE], a[c.A_STAGE], a[c.A_INSTANCE], a[c.A_ROOM]) == ("prefill", "transfer", "prefill-0", 7)
+    # Still stuck later: judged again, but the span was sent once.
+    clock.advance(30)
+    httpx.get(f"{sc.url}/api/v1/stuck")
+    time.sleep(0.3)
+    assert len([s for _, s in rcv.spans() if s.name == c.SPAN_STUCK]) == 1
+    assert metric(sc.url, "pdwatch_forward_spans_total", kind="stuck", result="sent") == 1
+
+
+def test_a_stuck_leg_whose_span_id_is_unknown_gets_a_root_pd_stuck(live_sidecar, receiver, clock):
+    """Only stage spans, no heartbeat: the tracker knows the leg span from the stages' parent anyway."""
+    from .conftest import Engine
+
+    rcv = receiver()
+    sc = live_sidecar(clock=clock, floor_queued_s=5, forward_otlp_endpoint=rcv.url, extra={"forward": FAST})
+    d = Engine("decode", "decode-0", clock)
+    try:
+        d.walk("d-1", 3, ("bootstrap", "transfer"))
+        clock.advance(1)
+        d.rec.enter("d-1", "queued")
+        req = d.request(heartbeat=False)
+    finally:
+        d.rec.shutdown(timeout_s=1)
+    stage_parent = all_spans(req)[0].parent_span_id.hex()
+    httpx.post(f"{sc.url}/v1/traces", content=req.SerializeToString(), headers=PROTOBUF)
+    clock.advance(6)
+    httpx.get(f"{sc.url}/api/v1/stuck")
+    (_, span), = wait_for(lambda: [(r, s) for r, s in rcv.spans() if s.name == c.SPAN_STUCK])
+    assert span.parent_span_id.hex() == stage_parent
+    assert attrs(span)[c.A_STAGE] == "queued"
+
+
+def test_receiver_down_ingest_unaffected_and_losses_counted(live_sidecar, engines, clock):
+    down = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    sc = live_sidecar(clock=clock, forward_otlp_endpoint=down,
+                      extra={"forward": {"max_queue_spans": 12, "max_attempts": 2, "backoff_s": 1.0,
+                                         "max_backoff_s": 1.0, "timeout_s": 1}})
+    p = engines("prefill", "prefill-0")
+    n_requests, sent_spans = 6, 0
+    for i in range(n_requests):
+        p.walk(f"p-{i}", i, ("bootstrap", "queued", "prefill", "transfer"))
+        p.rec.finish(f"p-{i}")
+        req = p.request(heartbeat=False)
+        sent_spans += len(all_spans(req))
+        r = httpx.post(f"{sc.url}/v1/traces", content=req.SerializeToString(), headers=PROTOBUF)
+        assert r.status_code == 200 and r.content == ExportTraceServiceResponse().SerializeToString()
+    assert metric(sc.url, "pdwatch_spans_received_total") == sent_spans
+    assert metric(sc.url, "pdwatch_requests_finished_total", cluster="default", role="prefill",
+                  pd_instance="prefill-0", outcome="ok") == n_requests
+    # 5 spans a request, 12 queued at most: while the worker retries the first, most are dropped.
+    dropped = metric(sc.url, "pdwatch_forward_spans_total", kind="lifecycle", result="dropped")
+    assert dropped >= 5
+    failed = wait_for(lambda: metric(sc.url, "pdwatch_forward_spans_total", kind="lifecycle", result="failed")
+                      + dropped == sent_spans and metric(sc.url, "pdwatch_forward_queue_depth") == 0, timeout=15)
+    assert failed
+    assert metric(sc.url, "pdwatch_forward_spans_total", kind="lifecycle", result="sent") == 0
+    assert metric(sc.url, "pdwatch_forward_retries_total") >= 1
+
+
+def test_retries_honour_503_and_retry_after(live_sidecar, receiver, engines, clock):
+    rcv = receiver(script=[(503, {"Retry-After": "1"}), (429, {})])
+    sc = live_sidecar(clock=clock, forward_otlp_endpoint=rcv.url,
+                      extra={"forward": {"backoff_s": 0.01, "max_backoff_s": 5, "max_attempts": 4}})
+    p = engines("prefill", "prefill-0")
+    p.walk("p-1", 1, ("bootstrap", "queued"))
+    req = p.request(heartbeat=False)
+    httpx.post(f"{sc.url}/v1/traces", content=req.SerializeToString(), headers=PROTOBUF)
+    assert wait_for(lambda: rcv.requests)
+    (t1, first), (t2, second), (t3, third) = rcv.posts
+    assert first == second == third  # the same batch, resent
+    assert t2 - t1 >= 0.9  # Retry-After: 1 held, although the backoff alone would have waited 10 ms
+    assert t3 - t2 < 0.9  # without Retry-After the short backoff applies
+    assert [s.span_id for s in all_spans(rcv.requests[0])] == [s.span_id for s in all_spans(req)]
+    assert metric(sc.url, "pdwatch_forward_retries_total") == 2
+    assert metric(sc.url, "pdwatch_forward_spans_total", kind="lifecycle", result="sent") == len(all_spans(req))
+
+
+def test_endpoint_and_retry_after_parsing():
+    assert traces_url("http://collector:4318") == "http://collector:4318/v1/traces"
+    assert traces_url("http://collector:4318/v1/traces/") == "http://collector:4318/v1/traces"
+    with pytest.raises(ValueError, match="http"):
+        traces_url("collector:4318")
+    assert retry_after_s("7") == 7.0
+    assert retry_after_s("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0  # a date in the past: no wait
+    assert retry_after_s("soon") is None and retry_after_s(None) is None
