@@ -19,6 +19,7 @@ from . import views
 from .diagnosis.classify import verdict
 from .diagnosis.collector import DiagnosisCollector
 from .diagnosis.from_tracker import gather as gather_facts
+from .forward import ForwardCollector, from_settings as forwarder_from_settings
 from .gpu.collector import GpuCollector
 from .gpu.join import InstanceClaim, Owner, parse_gpu_map
 from .gpu.sampler import GpuSampler
@@ -56,6 +57,10 @@ class Sidecar:
         self.gpu_map = parse_gpu_map(settings.gpu_map)
         self.registry.register(GpuCollector(self.gpu, self.gpu_claims, self.gpu_map))
         self.registry.register(DiagnosisCollector(self))
+        self.forwarder = forwarder_from_settings(self)
+        if self.forwarder is not None:
+            self.tracker.on_stuck = self.forwarder.on_stuck  # enqueues only: it runs under the tracker lock
+            self.registry.register(ForwardCollector(self.forwarder))
         self.ingest_in_flight = 0
         self.ingest_errors = 0
 
@@ -106,11 +111,15 @@ def create_app(settings: Settings | None = None, *, clock=time.time_ns, sidecar:
 
         task = asyncio.create_task(judge())
         sc.gpu.start()  # NVML is opened on the sampler's own thread
+        if sc.forwarder is not None:
+            sc.forwarder.start()
         try:
             yield
         finally:
             task.cancel()
             sc.gpu.stop()
+            if sc.forwarder is not None:
+                await asyncio.to_thread(sc.forwarder.stop)
 
     app = FastAPI(
         title="pdwatch sidecar",
@@ -146,6 +155,8 @@ def create_app(settings: Settings | None = None, *, clock=time.time_ns, sidecar:
                 sc.ingest_errors += 1
                 log.exception("ingest failed")
                 raise BodyError(400, "spans could not be applied") from None
+            if sc.forwarder is not None:
+                sc.forwarder.submit(otlp)  # a bounded append; the worker thread sends
             message = "; ".join(dict.fromkeys(messages))[:1024] if rejected else ""
             return Response(response_body(rejected, message, media), media_type=media)
         except BodyError as err:
