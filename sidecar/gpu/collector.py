@@ -41,6 +41,10 @@ class GpuCollector:
         self._sampler = sampler
         self._claims_fn = claims_fn
         self._configured = dict(configured)
+        # Owner each device had when last joined, by index: a GPU that fell off
+        # the bus lists no processes, so a PID join would lose it exactly when
+        # its owner matters most. Bounded by the number of devices.
+        self._last_owner: dict[int, tuple[str, Owner, str]] = {}
 
     def describe(self) -> Iterator[Metric]:
         # Names only, so registering does not call claims_fn or read the sampler.
@@ -59,7 +63,7 @@ class GpuCollector:
         except Exception:  # an owner lookup that fails still leaves the GPU figures
             log.exception("GPU collector: claims lookup failed; devices exposed unclaimed")
             claims = []
-        for dev, owner, how in join(snap.devices, claims, self._configured):
+        for dev, owner, how in self._join(snap.devices, claims):
             labels = [str(dev.index), dev.uuid, *((owner.cluster, owner.role, owner.pd_instance) if owner else ("", "", ""))]
             info.add_metric([*labels, dev.name, how], 1.0)
             for fam, value in (
@@ -76,6 +80,19 @@ class GpuCollector:
             last.add_metric([], snap.sampled_at)
         yield from fams
 
+    def _join(self, devices, claims):
+        out = []
+        for dev, owner, how in join(devices, claims, self._configured):
+            last = self._last_owner.get(dev.index)
+            if owner is not None:
+                self._last_owner[dev.index] = (dev.uuid, owner, how)
+            elif dev.failures and last is not None and last[0] == dev.uuid:
+                owner, how = last[1], last[2] + "_last_known"
+            out.append((dev, owner, how))
+        for index in self._last_owner.keys() - {d.index for d in devices}:
+            del self._last_owner[index]
+        return out
+
     @staticmethod
     def _families() -> tuple[GaugeMetricFamily, ...]:
         return (
@@ -85,6 +102,6 @@ class GpuCollector:
             GaugeMetricFamily(GPU_POWER_LIMIT, "GPU enforced power limit in watts.", labels=DEVICE_LABELS),
             GaugeMetricFamily(GPU_MEMORY_USED, "GPU memory in use, in bytes.", labels=DEVICE_LABELS),
             GaugeMetricFamily(GPU_DEVICE_ERRORS, "1 for each NVML query that failed on this GPU in the last pass, labelled with the query and NVML's error.", labels=[*DEVICE_LABELS, "query", "error"]),
-            GaugeMetricFamily(GPU_INFO, "1 per GPU; names the device and how its owner was found (uuid, pid, config or none).", labels=[*DEVICE_LABELS, "name", "joined_by"]),
+            GaugeMetricFamily(GPU_INFO, "1 per GPU; names the device and how its owner was found: uuid, pid, config, none, or uuid/pid/config_last_known for a failing device that no longer says.", labels=[*DEVICE_LABELS, "name", "joined_by"]),
             GaugeMetricFamily(GPU_LAST_SAMPLE, "Unix time of the last completed GPU sampling pass.", labels=[]),
         )

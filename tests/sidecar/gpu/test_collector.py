@@ -93,3 +93,24 @@ def test_registering_does_not_read_claims(make_sampler):
     registry = CollectorRegistry(auto_describe=True)
     registry.register(GpuCollector(make_sampler(), lambda: calls.append(1) or [], {}))
     assert calls == []
+
+
+def test_a_lost_gpu_keeps_the_owner_its_processes_gave_it(gpus, make_sampler):
+    gpus.set(1, pids=[8001])
+    sampler = make_sampler()
+    collector = GpuCollector(sampler, lambda: [InstanceClaim(DECODE0, (), (8001,))], {})
+    sampler.sample_once()
+    first = scrape(collector)
+    assert by_gpu(first["pdwatch_gpu_info"])["1"][0]["joined_by"] == "pid"
+
+    gpus.set(1, error="GPU_IS_LOST")  # a lost GPU lists no processes
+    sampler.sample_once()
+    after = scrape(collector)
+    labels = by_gpu(after["pdwatch_gpu_device_errors"])["1"][0]
+    assert (labels["pd_instance"], labels["error"]) == ("decode-0", "gpu_is_lost")
+    assert by_gpu(after["pdwatch_gpu_info"])["1"][0]["joined_by"] == "pid_last_known"
+
+    # A healthy device nobody claims any more is unclaimed, not remembered.
+    gpus.set(1, error=None, pids=[])
+    sampler.sample_once()
+    assert by_gpu(scrape(collector)["pdwatch_gpu_info"])["1"][0]["joined_by"] == "none"

@@ -1,0 +1,131 @@
+"""End to end: `pdwatch serve` in its own process finds the NVML stub through
+LD_LIBRARY_PATH (as in the demo), and joins emulated GPUs to engines whose
+real recorders send heartbeats: by UUID, by PID, by configuration."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine_patches.recorder import Recorder, RecorderConfig
+
+from .conftest import DRIVER, REPO, UUIDS
+
+pytestmark = pytest.mark.integration
+
+DECODE_PID = 424_242  # the pid the decode engine's heartbeats announce
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(fn, timeout_s=20.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            value = fn()
+        except httpx.HTTPError:
+            value = None
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.1)
+
+
+def gpu_series(url: str) -> dict[str, dict[str, tuple[dict[str, str], float]]]:
+    """metric name -> gpu index -> (labels, value), GPU metrics only."""
+    out: dict[str, dict[str, tuple[dict[str, str], float]]] = {}
+    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=5).text):
+        for s in fam.samples:
+            if s.name.startswith("pdwatch_gpu_"):
+                out.setdefault(s.name, {})[s.labels.get("gpu", "")] = (s.labels, s.value)
+    return out
+
+
+@pytest.fixture
+def sidecar(gpus, stub_library, tmp_path):
+    port = free_port()
+    env = {**os.environ, **gpus.env(), "PDWATCH_GPU_INTERVAL_S": "0.2", "PDWATCH_GPU_MAP": "2=default/decode/decode-1"}
+    log = open(tmp_path / "sidecar.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdwatch.cli", "serve", "--port", str(port)],
+        cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_for(lambda: httpx.get(f"{url}/healthz", timeout=1).status_code == 200), (tmp_path / "sidecar.log").read_text()
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+        log.close()
+
+
+def engine(url: str, role: str, instance: str, **cfg) -> Recorder:
+    exporter = OTLPSpanExporter(endpoint=f"{url}/v1/traces", timeout=5)
+    return Recorder(RecorderConfig(role=role, instance=instance, heartbeat_s=1.0, **cfg), exporter=exporter, environ={})
+
+
+def test_sidecar_samples_and_joins_emulated_gpus(gpus, sidecar):
+    url = sidecar
+    gpus.busy(0, 1.0)  # the prefill computing
+    gpus.idle(1)  # the decode waiting on a transfer that never lands
+    gpus.set(1, pids=[DECODE_PID])
+    gpus.spin(2)
+
+    health = wait_for(lambda: (h := httpx.get(f"{url}/healthz", timeout=2).json())["gpu_telemetry"]["up"] and h)
+    assert health["gpu_telemetry"] == {"up": True, "reason": None, "devices": 3, "driver": DRIVER}
+
+    prefill = engine(url, "prefill", "prefill-0", gpu_uuids=(UUIDS[0],))
+    decode = engine(url, "decode", "decode-0", pid=DECODE_PID)
+    for rec in (prefill, decode):
+        rec.heartbeat()
+        assert rec.flush()
+
+    def joined():
+        series = gpu_series(url)
+        info = series.get("pdwatch_gpu_info", {})
+        return series if {g: l["joined_by"] for g, (l, _) in info.items()} == {"0": "uuid", "1": "pid", "2": "config"} else None
+
+    series = wait_for(joined)
+    assert series, gpu_series(url)
+    util = series["pdwatch_gpu_utilization_ratio"]
+    assert util["0"] == ({"gpu": "0", "uuid": UUIDS[0], "cluster": "default", "role": "prefill", "pd_instance": "prefill-0"}, 1.0)
+    assert util["1"] == ({"gpu": "1", "uuid": UUIDS[1], "cluster": "default", "role": "decode", "pd_instance": "decode-0"}, 0.0)
+    assert util["2"][0]["pd_instance"] == "decode-1" and util["2"][1] == 1.0
+    assert series["pdwatch_gpu_power_watts"]["1"][1] == 160.0
+    assert series["pdwatch_gpu_power_limit_watts"]["1"][1] == 700.0
+    assert series["pdwatch_gpu_telemetry_up"][""][1] == 1.0
+
+    # The decode's GPU falls off the bus: reported for it, the others go on.
+    gpus.set(1, error="GPU_IS_LOST")
+    lost = wait_for(lambda: gpu_series(url).get("pdwatch_gpu_device_errors", {}).get("1"))
+    assert lost[0] == {"gpu": "1", "uuid": UUIDS[1], "cluster": "default", "role": "decode",
+                       "pd_instance": "decode-0", "query": "handle", "error": "gpu_is_lost"}
+    after = gpu_series(url)
+    assert after["pdwatch_gpu_info"]["1"][0]["joined_by"] == "pid_last_known"  # it lists no processes any more
+    assert set(after["pdwatch_gpu_utilization_ratio"]) == {"0", "2"}
+    assert after["pdwatch_gpu_telemetry_up"][""][1] == 1.0
+
+
+def test_sidecar_reports_why_gpu_telemetry_is_down(gpus, sidecar):
+    # NVML loaded and initialized, then the driver stops answering.
+    gpus.set_system(count_error="DRIVER_NOT_LOADED")
+    health = wait_for(lambda: (h := httpx.get(f"{sidecar}/healthz", timeout=2).json()) and not h["gpu_telemetry"]["up"] and h)
+    assert health["gpu_telemetry"]["reason"] == "NVML device count failed: Driver Not Loaded"
+    series = gpu_series(sidecar)
+    assert series == {"pdwatch_gpu_telemetry_up": {"": ({}, 0.0)}}
