@@ -173,4 +173,6 @@ class LegTable:
         attrs[c.H_OPEN_SINCE] = [leg.stage_since_ns for leg in listed]
         attrs[c.H_OPEN_TOKENS] = [leg.tokens for leg in listed]
         attrs[c.H_OPEN_SPAN_IDS] = [f"{leg.span_id:016x}" for leg in listed]
+        attrs[c.H_OPEN_ROOMS] = [-1 if leg.room is None else leg.room for leg in listed]
+        attrs[c.H_OPEN_PEERS] = [leg.peer or "" for leg in listed]
         return attrs

@@ -82,6 +82,10 @@ H_OPEN_STAGES = "pd.open.stages"
 H_OPEN_SINCE = "pd.open.stage_since_unix_nano"
 H_OPEN_TOKENS = "pd.open.tokens"
 H_OPEN_SPAN_IDS = "pd.open.span_ids"
+# pdwatch's additions to the inventory (parallel lists too), so a leg that
+# never finishes can still be named by room and peer.
+H_OPEN_ROOMS = "pd.open.bootstrap_rooms"  # -1 when the leg has no room
+H_OPEN_PEERS = "pd.open.peers"  # "" when unknown
 
 # Attributes of the sidecar's pd.stuck span (section 10).
 A_INSTANCE = "pd.instance"

@@ -363,7 +363,7 @@ class Tracker:
         since = attrs.get(c.H_OPEN_SINCE) or []
         n = len(tids)
         optional = {}
-        for name in (c.H_OPEN_RIDS, c.H_OPEN_TOKENS, c.H_OPEN_SPAN_IDS):
+        for name in (c.H_OPEN_RIDS, c.H_OPEN_TOKENS, c.H_OPEN_SPAN_IDS, c.H_OPEN_ROOMS, c.H_OPEN_PEERS):
             value = attrs.get(name)
             if value is not None:
                 if not isinstance(value, list) or len(value) != n:
@@ -385,12 +385,15 @@ class Tracker:
         rids = optional.get(c.H_OPEN_RIDS) or [""] * n
         tokens = optional.get(c.H_OPEN_TOKENS) or [0] * n
         span_ids = optional.get(c.H_OPEN_SPAN_IDS) or [None] * n
-        return total, tids, stages, since, rids, tokens, span_ids
+        rooms = optional.get(c.H_OPEN_ROOMS) or [-1] * n
+        peers = optional.get(c.H_OPEN_PEERS) or [""] * n
+        return total, tids, stages, since, rids, tokens, span_ids, rooms, peers
 
     def _apply_inventory(self, src: Source, inc: Incarnation, hb_ns: int, seq: int, inventory) -> None:
-        total, tids, stages, since, rids, tokens, span_ids = inventory
+        total, tids, stages, since, rids, tokens, span_ids, rooms, peers = inventory
         role, order = src.role, _STAGE_INDEX[src.role]
-        for tid, stage, t_in, rid, tok, sid in zip(tids, stages, since, rids, tokens, span_ids):
+        for tid, stage, t_in, rid, tok, sid, room, peer in zip(tids, stages, since, rids, tokens, span_ids, rooms,
+                                                                peers):
             key = (tid, role)
             leg = self.open.get(key)
             if leg is None:
@@ -409,6 +412,10 @@ class Tracker:
                 leg.rid = rid
             if _is_hex(sid, 16):
                 leg.span_id = sid
+            if isinstance(room, int) and not isinstance(room, bool) and room >= 0:
+                leg.room = room
+            if isinstance(peer, str) and peer:
+                leg.peer = peer[:256]
             if leg.stage != stage:
                 if leg.stage is None or t_in >= leg.stage_since_ns or order[stage] > order.get(leg.stage, -1):
                     leg.stage, leg.stage_since_ns, leg.progress_ns = stage, t_in, t_in

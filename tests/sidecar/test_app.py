@@ -32,8 +32,8 @@ def recorder(url, role, instance, compression=Compression.NoCompression, headers
 def send_incident(rec_p, rec_d, n_ok=3, n_hung=2):
     """n_ok requests that finish, then n_hung stuck in transfer on both legs."""
     for i in range(n_ok + n_hung):
-        rec_p.arrive(f"p-{i}", bootstrap_room=i)
-        rec_d.arrive(f"d-{i}", bootstrap_room=i)
+        rec_p.arrive(f"p-{i}", bootstrap_room=i, peer="decode-0")
+        rec_d.arrive(f"d-{i}", bootstrap_room=i, peer="prefill-0")
         for stage in ("bootstrap", "queued", "prefill", "transfer"):
             rec_p.enter(f"p-{i}", stage)
         for stage in ("bootstrap", "transfer"):
@@ -75,6 +75,7 @@ def test_otlp_exporter_to_stuck_api_and_request_detail(live_sidecar, compression
         assert s["others_flowing"] is True
         assert s["pd_instance"] == f"{s['role']}-0" and s["rid"][0] == s["role"][0]
         assert s["bootstrap_room"] in (3, 4)
+        assert s["peer"] == ("decode-0" if s["role"] == "prefill" else "prefill-0")  # from the inventory
     detail = httpx.get(f"{sc.url}/api/v1/requests/{c.room_trace_id(0):032x}").json()
     legs = {leg["role"]: leg for leg in detail["legs"]}
     assert legs["prefill"]["outcome"] == "ok" and legs["decode"]["outcome"] == "ok"
