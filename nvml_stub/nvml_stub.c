@@ -101,8 +101,9 @@ struct state {
     unsigned int count;
 };
 
-/* An opaque handle is the address of one of these; it stays valid forever. */
-struct handle_slot { unsigned int index; };
+/* An opaque handle is the address of one of these: the device index is its
+ * position, so handles stay valid forever and are never written. */
+struct handle_slot { char unused; };
 static struct handle_slot handle_slots[MAX_DEVICES];
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
@@ -398,7 +399,7 @@ static nvmlReturn_t handle_index(void *handle, unsigned int *index)
     struct handle_slot *slot = handle;
     if (slot < &handle_slots[0] || slot >= &handle_slots[MAX_DEVICES])
         return NVML_ERROR_INVALID_ARGUMENT;
-    *index = slot->index;
+    *index = (unsigned int)(slot - handle_slots);
     return NVML_SUCCESS;
 }
 
@@ -410,7 +411,6 @@ nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, void **device)
     nvmlReturn_t ret = begin_query(index, Q_HANDLE, &d);
     if (ret != NVML_SUCCESS)
         return ret;
-    handle_slots[index].index = index;
     *device = &handle_slots[index];
     end_query();
     return NVML_SUCCESS;
