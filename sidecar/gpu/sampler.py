@@ -83,6 +83,7 @@ class GpuSampler:
         self._driver: str | None = None
         self._pass_lock = threading.Lock()  # one pass at a time (thread and sample_once)
         self._pass_started: float | None = None  # monotonic, while a pass runs
+        self._stall_logged: float | None = None  # _pass_started of the stall last logged
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._device_failures: dict[int, tuple[tuple[str, str], ...]] = {}
@@ -119,6 +120,9 @@ class GpuSampler:
         if snap.up and started is not None:
             running = time.monotonic() - started
             if running > self._stall_after:
+                if self._stall_logged != started:
+                    self._stall_logged = started  # once per stalled pass
+                    log.warning("GPU telemetry down: an NVML pass has run for %.0f s", running)
                 return replace(snap, up=False, reason=f"NVML sampling stalled: a pass has run for {running:.0f} s")
         return snap
 
@@ -219,8 +223,7 @@ class GpuSampler:
         uuid = query("uuid", nv.nvmlDeviceGetUUID, handle)
         name = query("name", nv.nvmlDeviceGetName, handle)
         if uuid is not None:
-            if len(self._identities) < MAX_DEVICES or index in self._identities:
-                self._identities[index] = (str(uuid), str(name or ""))
+            self._identities[index] = (str(uuid), str(name or ""))  # index < MAX_DEVICES: bounded
         else:
             uuid, name = known_uuid, name or known_name
         util = query("utilization", nv.nvmlDeviceGetUtilizationRates, handle)
