@@ -33,6 +33,8 @@ def classify(message: str | None, default: str = "aborted") -> str:
     text = (message or "").lower()
     if any(w in text for w in _TIMEOUT_WORDS):
         return "timeout"
+    if text.startswith("abort"):  # e.g. "Aborted by decode-side abort notification."
+        return "aborted"
     if "fail" in text:
         return "failed"
     return default

@@ -386,29 +386,38 @@ def _agent(name):
     return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
 
 
-def test_nixl_stale_peer_added_counted_and_named_on_failure(sglang_plugin):
-    from sglang.srt.disaggregation.nixl.conn import KVArgsRegisterInfo, NixlKVManager
-    from sglang.srt.disaggregation.utils import DisaggregationMode
+class NixlPeers:
+    """A real NixlKVManager's peer table over real NIXL agents (UCX on loopback)."""
 
-    r = Recording("prefill")
-    mgr = object.__new__(NixlKVManager)
-    mgr.decode_kv_args_table = {}
-    mgr.agent = _agent("prefill-0")
-    mgr.disaggregation_mode = DisaggregationMode.DECODE  # skips the prefill-side xfer preparation
-    mgr.dcp_size, mgr.dcp_rank = 1, 0
+    def __init__(self):
+        from sglang.srt.disaggregation.nixl.conn import NixlKVManager
+        from sglang.srt.disaggregation.utils import DisaggregationMode
 
-    decode_agents = {}  # kept alive: a peer's metadata points at its listening endpoint
+        mgr = object.__new__(NixlKVManager)
+        mgr.decode_kv_args_table = {}
+        mgr.agent = _agent("prefill-0")
+        mgr.disaggregation_mode = DisaggregationMode.DECODE  # skips the prefill-side xfer preparation
+        mgr.dcp_size, mgr.dcp_rank = 1, 0
+        self.mgr = mgr
+        self.decode_agents = {}  # kept alive: a peer's metadata points at its listening endpoint
 
-    def register(name):
-        decode_agents.setdefault(name, _agent(name))
+    def register(self, name):
+        from sglang.srt.disaggregation.nixl.conn import KVArgsRegisterInfo
+
+        self.decode_agents.setdefault(name, _agent(name))
         info = KVArgsRegisterInfo(
             room="None", endpoint="10.0.0.2", dst_port=17000, agent_name=name,
-            agent_metadata=decode_agents[name].get_agent_metadata(), dst_kv_ptrs=[], dst_kv_mem_kinds=[],
+            agent_metadata=self.decode_agents[name].get_agent_metadata(), dst_kv_ptrs=[], dst_kv_mem_kinds=[],
             dst_aux_ptrs=[], dst_state_data_ptrs=[], gpu_id=0, decode_tp_size=1, decode_tp_rank=0,
             dst_kv_item_len=0, dst_kv_item_lens=[],
         )
-        mgr._add_remote_peer(info)  # the real method, wrapped by the plugin
+        self.mgr._add_remote_peer(info)  # the real method, wrapped by the plugin
 
+
+def test_nixl_stale_peer_added_counted_and_named_on_failure(sglang_plugin):
+    r = Recording("prefill")
+    peers = NixlPeers()
+    mgr, register = peers.mgr, peers.register
     register("decode-0-a")
     register("decode-0-a")  # SGLang ignores a known name: not counted again
     register("decode-0-b")  # the decode restarted: new agent name, old entry stays
@@ -425,6 +434,22 @@ def test_nixl_stale_peer_added_counted_and_named_on_failure(sglang_plugin):
     hooks.on_prefill_transfer_failure(None, req)
     (leg,) = r.spans("pd.request")
     assert "decode-0-a replaced by decode-0-b" in leg.status.description
+
+
+def test_nixl_peer_dropped_after_transport_error_counts_as_removed(sglang_plugin):
+    import threading as th
+
+    r = Recording("prefill")
+    peers = NixlPeers()
+    peers.register("decode-1-a")
+    mgr = peers.mgr
+    mgr.agent.remove_remote_agent("decode-1-a")  # what NIXL does after a remote-disconnect error
+    mgr._peer_reload_lock, mgr._peer_reload_times = th.Lock(), {}
+    mgr.prep_handles, mgr.prep_handles_slice_dst, mgr._prepared_state_plans = {}, {}, {}
+    mgr._prepare_payload_xfer = mgr._prepare_state_xfer = lambda info: None  # need registered KV memory
+    mgr._reload_invalidated_peers({"decode-1-a": object()})  # the real method, wrapped by the plugin
+    assert mgr.agent.check_remote_metadata("decode-1-a")  # SGLang reloaded it
+    assert r.heartbeat()["pd.engine.kv_peers_removed"] == 1
 
 
 def test_nixl_transfer_request_records_bytes_backend_and_peer(sglang_plugin):
