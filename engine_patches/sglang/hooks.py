@@ -14,7 +14,7 @@ bookkeeping; loop ticks and tokens go to `state.rec` on every rank.
 
 from __future__ import annotations
 
-from .state import state
+from .state import MAX_PENDING, state
 
 # Outcome classes for a leg that SGLang ended with an abort-type finish.
 _TIMEOUT_WORDS = ("timed out", "timeout")
@@ -152,12 +152,17 @@ def on_stream_output(result, self, reqs, *args, **kwargs):
             rid = req.rid
             if count_tokens:
                 n = len(req.output_ids)
-                new = n - seen.get(rid, 0)
-                if new > 0:
-                    if lc is not None and state.role == "unified" and rid not in seen:
-                        lc.enter(rid, "decode")  # unified: the first token ends prefill
+                prev = seen.get(rid)
+                if prev is None:
+                    prev = 0
+                    if n > 0:
+                        if lc is not None and state.role == "unified":
+                            lc.enter(rid, "decode")  # unified: the first token ends prefill
+                        if len(seen) >= MAX_PENDING:
+                            seen.pop(next(iter(seen)))  # a request SGLang lost without a finish
+                if n > prev:
                     seen[rid] = n
-                    rec.token(rid, new)
+                    rec.token(rid, n - prev)
             reason = req.finished_reason
             if reason is not None and lc is not None:
                 msg = getattr(reason, "message", None)
