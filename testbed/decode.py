@@ -47,7 +47,6 @@ class DecodeReq:
     slot: int | None = None
     nbytes: int = 0
     tokens: int = 0
-    registering: bool = False
 
 
 class BootstrapClient:
@@ -116,6 +115,7 @@ class DecodeEngine:
         self.waiting: deque[DecodeReq] = deque()
         self.running: list[DecodeReq] = []
         self.unexpected: deque = deque(maxlen=MAX_UNEXPECTED_NOTIFS)
+        self.early: dict[int, str] = {}  # rooms whose KV arrived while still registering
         self.kv_bytes_checked = 0
         self._seq = 0
         self._next_step = 0.0
@@ -201,12 +201,15 @@ class DecodeEngine:
             busy = True
             if self.registering.pop(req.room, None) is None:
                 continue
+            early = self.early.pop(req.room, None)
             if error:
                 self._finish(req, "failed", error)
                 continue
             self.rec.enter(req.rid, "transfer")
             req.stage_since = now
             self.transfer[req.room] = req
+            if early is not None:
+                self._on_notif(f"kv:{req.room}".encode())
         return busy
 
     def _transfer_queue(self) -> bool:
@@ -237,6 +240,10 @@ class DecodeEngine:
                 room = None
         req = self.transfer.pop(room, None) if room is not None else None
         if req is None:
+            if room is not None and room in self.registering:
+                # The KV landed before this thread saw the bootstrap reply: keep it for then.
+                self.early[room] = text
+                return
             self.unexpected.append(text)
             self.rec.counter("kv_unexpected_notifs")
             return

@@ -14,6 +14,10 @@ import signal
 import sys
 import threading
 
+# Constants only: numpy and NIXL load when the engine is built, not for --help.
+BYTES_PER_TOKEN = 128
+SLOT_BYTES = 32768
+
 log = logging.getLogger("testbed.engine")
 
 
@@ -25,8 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--bootstrap-port", type=int, default=0, help="prefill: port of its bootstrap server")
     ap.add_argument("--prefill-bootstrap-port", type=int, default=0, help="decode: the prefill's bootstrap port")
     ap.add_argument("--slots", type=int, default=256, help="KV pool slots")
-    ap.add_argument("--slot-bytes", type=int, default=32768, help="bytes per KV pool slot")
-    ap.add_argument("--bytes-per-token", type=int, default=128, help="KV bytes per prompt token")
+    ap.add_argument("--slot-bytes", type=int, default=SLOT_BYTES, help="bytes per KV pool slot")
+    ap.add_argument("--bytes-per-token", type=int, default=BYTES_PER_TOKEN, help="KV bytes per prompt token")
     ap.add_argument("--forward-s-per-token", type=float, default=2e-5, help="prefill forward cost per token")
     ap.add_argument("--token-interval-s", type=float, default=0.05, help="decode: one token per running request per step")
     ap.add_argument("--max-running", type=int, default=64, help="decode: running batch size")

@@ -9,6 +9,7 @@ arrived over NIXL is exactly what the prefill computed.
 from __future__ import annotations
 
 import base64
+import importlib
 import os
 import threading
 
@@ -23,11 +24,21 @@ def ucx_env() -> None:
         os.environ.setdefault(key, value)
 
 
+def _nixl_api():
+    # The `nixl` meta package picks its backend wheel by CUDA version and, with
+    # a CPU torch in the environment, imports all of torch to learn there is
+    # none (2.5 s per engine start). The testbed pins the nixl-cu12 wheel, so it
+    # loads that one directly and falls back to the meta package.
+    try:
+        return importlib.import_module("nixl_cu12._api")
+    except ImportError:
+        return importlib.import_module("nixl._api")
+
+
 def make_agent(name: str):
     ucx_env()
-    from nixl._api import nixl_agent, nixl_agent_config  # heavy import, only in engines
-
-    return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+    api = _nixl_api()
+    return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
 
 
 def kv_pattern(room: int, nbytes: int) -> np.ndarray:

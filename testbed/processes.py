@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +24,13 @@ LOG_LINES = 400
 
 class EngineStartError(RuntimeError):
     pass
+
+
+def free_port() -> int:
+    """A loopback port free right now (the engine binds it with SO_REUSEADDR)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class EngineProcess:

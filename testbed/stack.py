@@ -17,7 +17,7 @@ import time
 import weakref
 
 from . import scenarios
-from .processes import EngineProcess, EngineStartError
+from .processes import EngineProcess, EngineStartError, free_port
 from .router import LoadGenerator, Router, Truth
 
 log = logging.getLogger("testbed.stack")
@@ -89,6 +89,7 @@ class Stack:
         self._stop = threading.Event()
         self._stopped = False
         self._actions_thread: threading.Thread | None = None
+        self._bootstrap_port = 0
 
     # ---- processes ---------------------------------------------------------
 
@@ -109,8 +110,7 @@ class Stack:
         return proc
 
     def _decode_args(self, port: int = 0) -> list[str]:
-        prefill = self.engines["prefill-0"].info
-        return ["--api-port", str(port), "--prefill-bootstrap-port", str(prefill["bootstrap_port"]),
+        return ["--api-port", str(port), "--prefill-bootstrap-port", str(self._bootstrap_port),
                 "--token-interval-s", str(self.params.token_interval_s), "--slots", "64"]
 
     def start(self) -> "Stack":
@@ -119,13 +119,15 @@ class Stack:
         _live_stacks.add(self)
         self.started_at = time.time()
         try:
-            prefill = self._engine("prefill-0", "prefill", ["--slots", "512"])
-            prefill.spawn()
-            prefill.wait_ready(self.ready_timeout_s)
+            # The bootstrap port is chosen here so that all engines start at
+            # once: a decode needs it only when its first request registers.
+            self._bootstrap_port = free_port()
+            prefill = self._engine("prefill-0", "prefill",
+                                   ["--slots", "512", "--bootstrap-port", str(self._bootstrap_port)])
             decodes = [self._engine(name, "decode", self._decode_args()) for name in self.decode_names]
-            for proc in decodes:
+            for proc in (prefill, *decodes):
                 proc.spawn()
-            for proc in decodes:
+            for proc in (prefill, *decodes):
                 proc.wait_ready(self.ready_timeout_s)
         except BaseException:
             self.stop()
@@ -199,6 +201,11 @@ class Stack:
 
     def pids(self) -> dict[str, int | None]:
         return {name: proc.pid for name, proc in self.engines.items()}
+
+    def stop_load(self) -> None:
+        """End the load early; engines keep running (and open requests stay open)."""
+        if self.loadgen is not None:
+            self.loadgen.stop()
 
     @property
     def load_done(self) -> bool:

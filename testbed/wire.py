@@ -70,6 +70,12 @@ class Conn:
         return reply
 
     def close(self) -> None:
+        # Shut the socket down first: it wakes a thread blocked reading this
+        # connection, which holds the reader's lock that rfile.close() needs.
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         for closer in (self.rfile.close, self.sock.close):
             try:
                 closer()
