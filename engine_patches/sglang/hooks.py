@@ -257,13 +257,16 @@ def on_prefill_transfer_failure(self, req, *args, **kwargs):
 
 # ---- decode role ----------------------------------------------------------------
 
-def on_decode_prealloc_add(result, self, req, is_retracted=False, *args, **kwargs):
+def on_decode_prealloc_add(result, self, req, is_retracted=False, is_rebootstrap=False, *args, **kwargs):
     lc = state.lc
     if lc is None:
         return
     try:
         if is_retracted:
             lc.enter(req.rid, "queued")  # retracted: waits to be resumed into a batch
+            return
+        if is_rebootstrap:
+            lc.enter(req.rid, "bootstrap")  # the same leg handshakes again (weight update)
             return
         _arrive(lc, req, "bootstrap")
         queue = self.queue

@@ -79,8 +79,8 @@ TARGETS: tuple[Target, ...] = (
            ("disagg_kv_sender", "failure_records")),
     # -- decode role -----------------------------------------------------------
     Target(f"{DECODE}.DecodePreallocQueue.add", "after", "on_decode_prealloc_add",
-           "decode: arrival, enters bootstrap (handshake + prealloc); retracted: back to queued",
-           ("self", "req", "is_retracted"), ("queue", "retracted_queue")),
+           "decode: arrival, enters bootstrap (handshake + prealloc); retracted: queued; rebootstrap: bootstrap again",
+           ("self", "req", "is_retracted", "is_rebootstrap"), ("queue", "retracted_queue")),
     Target(f"{DECODE}.DecodeTransferQueue.extend", "after", "on_decode_transfer_extend",
            "decode: bootstrap -> transfer (KV memory preallocated)", ("self", "decode_reqs")),
     Target(f"{DECODE}.DecodeTransferQueue.add", "after", "on_decode_transfer_add",

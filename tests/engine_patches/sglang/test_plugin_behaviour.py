@@ -278,6 +278,7 @@ def decode_queues(streamed):
     pre.kv_manager = None
     pre._num_published_destinations = 0
     pre._check_if_req_exceed_kv_capacity = lambda req: False  # needs a KV pool allocator
+    pre.token_to_kv_pool_allocator = SimpleNamespace(get_kvcache=lambda: None)  # not a DeepSeek-V4 pool
     pre.scheduler = SimpleNamespace(output_streamer=streamer, retire_unadmitted_request=lambda req: None)
     xfer = object.__new__(DecodeTransferQueue)
     xfer.queue = []
@@ -580,3 +581,19 @@ def test_recorder_from_the_environment_carries_sglang_identity(sglang_plugin, mo
         assert state.rec.config is cfg
     finally:
         state.reset()
+
+
+def test_decode_retraction_and_rebootstrap_keep_the_leg(sglang_plugin):
+    r = Recording("decode")
+    pre, _ = decode_queues([])
+    req = make_req("d-r", room=31)
+    pre.add(req)
+    pre.queue.clear()
+    hooks.on_decode_batch(SimpleNamespace(reqs=[req]), None)
+    pre.add(req, is_retracted=True)  # real: parks it in the retracted queue
+    assert pre.retracted_queue == [req]
+    assert r.heartbeat()["pd.open.stages"] == ["queued"]
+    pre.add(req, is_rebootstrap=True)  # real: a new FAKE receiver, handshake again
+    assert r.heartbeat()["pd.open.stages"] == ["bootstrap"]
+    assert r.spans("pd.request") == []  # still one open leg, never closed as a reused rid
+    assert [s.name for s in r.spans()] == ["pd.bootstrap", "pd.decode", "pd.queued"]
