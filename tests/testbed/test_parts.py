@@ -1,0 +1,174 @@
+"""The testbed's parts on their own: scenarios, ground truth, router, wire, KV, CLI."""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+import time
+
+import pytest
+
+from pdwatch import contract as c
+from testbed import cli, kv, scenarios
+from testbed.processes import free_port
+from testbed.router import LoadGenerator, RequestRecord, Router, Truth
+from testbed.stack import Stack
+from testbed.wire import Conn, LineServer, WireError, decode, encode
+
+
+def test_unknown_scenario_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match="decode-restart"):
+        scenarios.get("no-such-thing")
+    with pytest.raises(ValueError, match="already registered"):
+        scenarios.register(scenarios.Scenario("healthy", "again"))
+
+
+def test_long_decode_sizes_some_generations_at_four_decode_floors():
+    params = scenarios.Params(decode_floor_s=30.0, token_interval_s=0.05)
+    sc = scenarios.get("long-decode")
+    rng = random.Random(1)
+    outs = [sc.shape(params, rng, i)[1] for i in range(10)]
+    assert outs[2] == outs[7] == math.ceil(4 * 30.0 / 0.05)
+    assert all(8 <= n <= 32 for i, n in enumerate(outs) if i % 5 != 2)
+
+
+def test_decode_restart_restarts_decode_0_alone_at_restart_at():
+    params = scenarios.Params(restart_at=8.5)
+    assert scenarios.get("decode-restart").actions(params) == [(8.5, "restart", "decode-0")]
+    assert scenarios.get("healthy").actions(params) == []
+
+
+def rec(i, decode, sent_at, done_at=None, outcome=None):
+    return RequestRecord(index=i, room=i, trace_id=f"{i:032x}", decode=decode, prompt_tokens=1, max_tokens=1,
+                         sent_at=sent_at, done_at=done_at, outcome=outcome)
+
+
+def test_outstanding_after_restart_is_open_requests_to_the_restarted_decode_sent_after_it():
+    truth = Truth(
+        requests=[
+            rec(0, "decode-0", 5.0),  # open, but sent before the restart
+            rec(1, "decode-0", 10.0),  # open, after: hung
+            rec(2, "decode-0", 11.0, 12.0, "ok"),  # done
+            rec(3, "decode-1", 11.0),  # open on the other decode
+            rec(4, "decode-0", 12.5),  # hung
+        ],
+        restarts=[{"instance": "decode-0", "t": 9.0}],
+    )
+    assert [r.index for r in truth.outstanding_after_restart()] == [1, 4]
+    assert [r.index for r in truth.open] == [0, 1, 3, 4]
+    assert [r.index for r in truth.completed] == [2]
+    assert Truth(requests=truth.requests).outstanding_after_restart() == []
+
+
+def test_router_derives_trace_ids_as_pdwatch_does_and_round_robins():
+    dead = free_port()  # nothing listens: every request fails at once, which the record says
+    for with_tp in (False, True):
+        router = Router(dead, {"decode-0": dead, "decode-1": dead}, seed=4, traceparent=with_tp)
+        records = [router.send(100, 8) for _ in range(4)]
+        assert [r.decode for r in records] == ["decode-0", "decode-1", "decode-0", "decode-1"]
+        for r in records:
+            if with_tp:
+                assert r.trace_id == r.traceparent.split("-")[1]
+            else:
+                assert r.traceparent is None and r.trace_id == f"{c.room_trace_id(r.room):032x}"
+            assert 0 <= r.room < 2**63
+        deadline = time.monotonic() + 5
+        while router.truth().open and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert {(r.outcome, "unreachable" in (r.reason or "")) for r in router.truth().requests} == {("failed", True)}
+        router.close()
+
+
+def test_load_generator_is_bounded_in_count():
+    sent = []
+
+    class Recording:
+        def send(self, prompt_tokens, max_tokens):
+            sent.append((prompt_tokens, max_tokens))
+            return sent[-1]
+
+    gen = LoadGenerator(Recording(), lambda rng, i: (i, 1), rate=2000.0, seed=1, duration_s=None, max_requests=7)
+    gen.start()
+    deadline = time.monotonic() + 5
+    while not gen.finished and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert gen.finished and [p for p, _ in sent] == list(range(7))
+    with pytest.raises(ValueError):
+        LoadGenerator(Recording(), lambda rng, i: (1, 1), rate=0, seed=1, duration_s=None, max_requests=1)
+
+
+def test_wire_round_trip_and_bounds():
+    assert decode(encode({"a": 1, "b": [1, 2]})) == {"a": 1, "b": [1, 2]}
+    with pytest.raises(WireError):
+        decode(b"[1, 2]\n")
+    with pytest.raises(WireError):
+        decode(b"{not json\n")
+    with pytest.raises(WireError):
+        decode(b"x" * (2 << 20))
+
+    got = []
+    server = LineServer(0, lambda msg, conn: got.append(msg) or {"echo": msg["n"]})
+    server.serve_in_thread("test-server")
+    try:
+        conn = Conn.connect(server.port)
+        assert [conn.request({"n": i})["echo"] for i in range(3)] == [0, 1, 2]
+        reader = threading.Thread(target=conn.recv)  # blocked in a read when close() comes
+        reader.start()
+        time.sleep(0.05)
+        conn.close()
+        reader.join(2)
+        assert not reader.is_alive()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert [m["n"] for m in got] == [0, 1, 2]
+
+
+def test_kv_pattern_is_deterministic_per_room():
+    a = kv.kv_pattern(123, 4096)
+    assert a.dtype.name == "uint8" and len(a) == 4096
+    assert (a == kv.kv_pattern(123, 4096)).all()
+    assert not (a == kv.kv_pattern(124, 4096)).all()
+
+
+def test_stale_bootstrap_peer_keeps_naming_the_old_agent_of_a_restarted_decode():
+    from testbed.prefill import BootstrapPeers
+
+    prefill = kv.make_agent("t-prefill")
+    old, new = kv.make_agent("t-decode-0-old"), kv.make_agent("t-decode-0-new")
+    pools = [kv.SlotPool(agent, 2, 4096) for agent in (prefill, old, new)]
+    peers = BootstrapPeers(prefill)
+
+    def reg(agent, pool):
+        return {"endpoint": "127.0.0.1:1234", "agent_name": agent.name, "agent_metadata": kv.metadata_b64(agent),
+                "addr": pool.addr(0), "nbytes": pool.slot_bytes}
+
+    assert peers.resolve(reg(old, pools[1])) == "t-decode-0-old"
+    # The decode came back with a new agent on the same endpoint: the entry is not refreshed.
+    assert peers.resolve(reg(new, pools[2])) == "t-decode-0-old"
+    assert pools[0].alloc() == 0 and pools[0].free_count == 1
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"rate": 0}, "rate"),
+    ({"heartbeat_s": -1}, "heartbeat_s"),
+    ({"otlp_endpoint": "http://10.0.0.1:4318"}, "loopback"),
+    ({"restart_at": -1}, "restart_at"),
+    ({"duration_s": 0}, "duration_s"),
+])
+def test_stack_refuses_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Stack("healthy", **kwargs)
+
+
+def test_cli_help_lists_the_scenarios(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "--otlp-endpoint" in out and "decode-restart" in out and "long-decode" in out
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--scenario", "nope"])
+    assert e.value.code == 2
+    assert cli.main(["--rate", "0"]) == 2
