@@ -85,9 +85,11 @@ class EngineProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def wait_ready(self, timeout_s: float) -> dict:
+    def wait_ready(self, timeout_s: float, cancel: threading.Event | None = None) -> dict:
         deadline = time.monotonic() + timeout_s
         while not self._ready.wait(0.05):
+            if cancel is not None and cancel.is_set():
+                raise EngineStartError(f"{self.instance}: the stack stopped before it was ready")
             if self.proc is None or self.proc.poll() is not None:
                 rc = self.proc.returncode if self.proc else None
                 time.sleep(0.1)  # let the reader threads catch the last lines

@@ -150,6 +150,8 @@ class Router:
                 except Exception:
                     line = None
                 if line is None:
+                    if self._closed:
+                        return  # the stack is stopping: the request stays open in the truth
                     # The decode went away mid-request: tell the prefill to drop its leg.
                     self._done(rec, "failed", f"decode {rec.decode} closed the stream")
                     self._abort(rec.room, "decode stream lost")

@@ -90,6 +90,7 @@ class Stack:
         self._stopped = False
         self._actions_thread: threading.Thread | None = None
         self._bootstrap_port = 0
+        self._proc_lock = threading.Lock()
 
     # ---- processes ---------------------------------------------------------
 
@@ -128,7 +129,7 @@ class Stack:
             for proc in (prefill, *decodes):
                 proc.spawn()
             for proc in (prefill, *decodes):
-                proc.wait_ready(self.ready_timeout_s)
+                proc.wait_ready(self.ready_timeout_s, cancel=self._stop)
         except BaseException:
             self.stop()
             raise
@@ -165,15 +166,18 @@ class Stack:
         proc = self.engines[instance]
         if proc.role != "decode":
             raise ValueError("only decode instances are restarted by the testbed")
-        old_agent, port = proc.info.get("agent"), proc.info["api_port"]
-        t = time.time()
-        proc.kill()
-        if self.router is not None:
-            self.router.note_restart(instance, t)
-        self._event("killed", instance=instance, t=t, agent=old_agent)
-        proc.args = [*self._decode_args(port), *self.scenario.engine_args(self.params, instance)]
-        proc.spawn()
-        info = proc.wait_ready(self.ready_timeout_s)
+        with self._proc_lock:  # stop() must not miss a process spawned while it runs
+            if self._stopped:
+                raise RuntimeError("the stack is stopped")
+            old_agent, port = proc.info.get("agent"), proc.info["api_port"]
+            t = time.time()
+            proc.kill()
+            if self.router is not None:
+                self.router.note_restart(instance, t)
+            self._event("killed", instance=instance, t=t, agent=old_agent)
+            proc.args = [*self._decode_args(port), *self.scenario.engine_args(self.params, instance)]
+            proc.spawn()
+        info = proc.wait_ready(self.ready_timeout_s, cancel=self._stop)
         return self._event("restart", instance=instance, t=t, old_agent=old_agent, new_agent=info.get("agent"),
                            ready_after_s=round(time.time() - t, 3))
 
@@ -215,16 +219,17 @@ class Stack:
 
     def stop(self) -> None:
         """Stop load, router and engines within about stop_timeout_s; idempotent."""
-        if self._stopped:
-            return
-        self._stopped = True
+        with self._proc_lock:
+            if self._stopped:
+                return
+            self._stopped = True
         self._stop.set()
         if self.loadgen is not None:
             self.loadgen.stop()
         if self.router is not None:
             self.router.close()
         if self._actions_thread is not None:
-            self._actions_thread.join(self.ready_timeout_s)
+            self._actions_thread.join(self.stop_timeout_s)
         for proc in self.engines.values():
             proc.begin_stop()
         deadline = time.monotonic() + self.stop_timeout_s
