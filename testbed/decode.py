@@ -25,11 +25,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine_patches import recorder as pdrec
+from pdwatch import contract as c
 
 from . import kv
 from .wire import Conn, LineServer
 
 log = logging.getLogger("testbed.decode")
+
+# The contract's stage order for this role, by name.
+BOOTSTRAP, TRANSFER, QUEUED, DECODE = c.STAGES["decode"]
 
 MAX_UNEXPECTED_NOTIFS = 4096
 
@@ -170,7 +174,7 @@ class DecodeEngine:
             req.nbytes = min(max(1, req.prompt_tokens) * self.args.bytes_per_token, self.args.slot_bytes)
             self.rec.arrive(req.rid, bootstrap_room=req.room, traceparent=req.traceparent,
                             prompt_tokens=req.prompt_tokens, peer=msg.get("prefill") or "prefill-0")
-            self.rec.enter(req.rid, "bootstrap")
+            self.rec.enter(req.rid, BOOTSTRAP)
             self.prealloc.append(req)
         return busy
 
@@ -205,7 +209,7 @@ class DecodeEngine:
             if error:
                 self._finish(req, "failed", error)
                 continue
-            self.rec.enter(req.rid, "transfer")
+            self.rec.enter(req.rid, TRANSFER)
             req.stage_since = now
             self.transfer[req.room] = req
             if early is not None:
@@ -255,14 +259,14 @@ class DecodeEngine:
         self.kv_bytes_checked += req.nbytes
         self.rec.counter("kv_bytes_checked", req.nbytes)
         self.rec.transfer_info(req.rid, nbytes=req.nbytes, backend="nixl", peer="prefill-0")
-        self.rec.enter(req.rid, "queued")
+        self.rec.enter(req.rid, QUEUED)
         self.waiting.append(req)
 
     def _waiting_queue(self) -> bool:
         busy = False
         while self.waiting and len(self.running) < self.args.max_running:
             req = self.waiting.popleft()
-            self.rec.enter(req.rid, "decode")
+            self.rec.enter(req.rid, DECODE)
             self.running.append(req)
             busy = True
         return busy

@@ -25,11 +25,15 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from engine_patches import recorder as pdrec
+from pdwatch import contract as c
 
 from . import kv
 from .wire import LineServer
 
 log = logging.getLogger("testbed.prefill")
+
+# The contract's stage order for this role, by name.
+BOOTSTRAP, QUEUED, PREFILL, TRANSFER = c.STAGES["prefill"]
 
 # KV sender status of a room (SGLang's KVPoll, reduced to what this side uses).
 TRANSFERRING, SUCCESS, FAILED = "transferring", "success", "failed"
@@ -260,7 +264,7 @@ class PrefillEngine:
             req.nbytes = min(max(1, req.prompt_tokens) * self.args.bytes_per_token, self.args.slot_bytes)
             self.rec.arrive(req.rid, bootstrap_room=room, traceparent=req.traceparent,
                             prompt_tokens=req.prompt_tokens, peer=msg.get("decode"))
-            self.rec.enter(req.rid, "bootstrap")
+            self.rec.enter(req.rid, BOOTSTRAP)
             self.bootstrap[room] = req
             self.by_room[room] = req
         return busy
@@ -274,7 +278,7 @@ class PrefillEngine:
             if reg is not None:
                 req.reg = reg
                 del self.bootstrap[room]
-                self.rec.enter(req.rid, "queued")
+                self.rec.enter(req.rid, QUEUED)
                 self.waiting.append(req)
                 busy = True
             elif now - req.arrived > self.args.bootstrap_timeout_s:
@@ -294,7 +298,7 @@ class PrefillEngine:
         if not batch:
             return False
         for req in batch:
-            self.rec.enter(req.rid, "prefill")
+            self.rec.enter(req.rid, PREFILL)
         # The forward pass: cost proportional to the prompt tokens of the batch.
         time.sleep(self.args.forward_s_per_token * sum(r.prompt_tokens for r in batch))
         for req in batch:
@@ -302,7 +306,7 @@ class PrefillEngine:
                 self._finish(req, "failed", f"decode slot of {req.reg.get('nbytes')} bytes < KV {req.nbytes}")
                 continue
             self.pool.view(req.slot, req.nbytes)[:] = kv.kv_pattern(req.room, req.nbytes)
-            self.rec.enter(req.rid, "transfer")
+            self.rec.enter(req.rid, TRANSFER)
             self.rec.transfer_info(req.rid, nbytes=req.nbytes, backend="nixl", peer=req.reg.get("instance"))
             self.inflight[req.room] = req
             self.sender.submit(req)

@@ -180,3 +180,19 @@ def test_start_failure_raises_clearly_and_leaves_no_process():
     with pytest.raises(EngineStartError, match="not ready"):
         stack.start()
     assert_no_process_left(stack.pids())
+
+
+def test_cli_runs_a_bounded_scenario_and_reports_what_the_router_saw(capsys):
+    from testbed import cli
+
+    with OtlpSink() as sink:
+        rc = cli.main(["--scenario", "healthy", "--otlp-endpoint", sink.url, "--rate", "4", "--duration-s", "2",
+                       "--heartbeat-s", "0.5", "--drain-s", "10"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    done = [line for line in out.splitlines() if line.startswith("done: ")]
+    assert done, out
+    sent, ok = int(done[0].split()[1]), int(done[0].split()[3])
+    assert sent >= 2 and ok == sent and "0 still open" in done[0]
+    assert "--- ready:" in out
+    assert {s.resource[c.R_INSTANCE] for s in sink.named(c.SPAN_HEARTBEAT)} == {"prefill-0", "decode-0", "decode-1"}
