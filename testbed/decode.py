@@ -28,7 +28,7 @@ from engine_patches import recorder as pdrec
 from pdwatch import contract as c
 
 from . import kv
-from .wire import Conn, LineServer
+from .wire import Conn, LineServer, WireError, room_of
 
 log = logging.getLogger("testbed.decode")
 
@@ -133,6 +133,10 @@ class DecodeEngine:
     def _on_api(self, msg: dict, conn: Conn):
         op = msg.get("op")
         if op == "generate":
+            try:
+                room_of(msg)
+            except WireError as e:
+                return {"done": True, "outcome": "failed", "reason": str(e)}
             # Tokens are streamed back on this connection by the scheduler.
             self.inbox.append((msg, conn))
             return None

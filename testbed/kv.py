@@ -38,7 +38,10 @@ def _nixl_api():
 def make_agent(name: str):
     ucx_env()
     api = _nixl_api()
-    return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+    # No NIXL progress thread: the Python API starts it with no delay, so it
+    # spins a whole core per engine. The engines' loops drive progress instead
+    # (the decode polls notifications, the prefill's sender polls its transfers).
+    return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"], enable_prog_thread=False))
 
 
 def kv_pattern(room: int, nbytes: int) -> np.ndarray:

@@ -28,7 +28,7 @@ from engine_patches import recorder as pdrec
 from pdwatch import contract as c
 
 from . import kv
-from .wire import LineServer
+from .wire import LineServer, WireError, room_of
 
 log = logging.getLogger("testbed.prefill")
 
@@ -207,6 +207,10 @@ class PrefillEngine:
     def _on_api(self, msg: dict, conn):
         op = msg.get("op")
         if op in ("generate", "abort"):
+            try:
+                room_of(msg)
+            except WireError as e:
+                return {"ok": False, "error": str(e)}
             self.inbox.append(msg)
             return {"ok": True}
         if op == "stats":
@@ -220,6 +224,10 @@ class PrefillEngine:
         missing = [k for k in ("room", "endpoint", "agent_name", "agent_metadata", "addr", "nbytes") if k not in msg]
         if missing:
             return {"ok": False, "error": f"registration lacks {', '.join(missing)}"}
+        try:
+            room_of(msg)
+        except WireError as e:
+            return {"ok": False, "error": str(e)}
         with self._reg_lock:
             self.registrations[int(msg["room"])] = msg
             while len(self.registrations) > MAX_EARLY_REGISTRATIONS:

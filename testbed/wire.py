@@ -36,6 +36,14 @@ def decode(line: bytes) -> dict:
     return msg
 
 
+def room_of(msg: dict) -> int:
+    """The message's bootstrap room, checked: a 63-bit non-negative int."""
+    room = msg.get("room")
+    if not isinstance(room, int) or isinstance(room, bool) or not 0 <= room < 1 << 63:
+        raise WireError(f"room must be an int in [0, 2**63), got {room!r}")
+    return room
+
+
 class Conn:
     """One client connection: send a line, read lines, thread-safe sends."""
 

@@ -172,3 +172,12 @@ def test_cli_help_lists_the_scenarios(capsys):
         cli.main(["--scenario", "nope"])
     assert e.value.code == 2
     assert cli.main(["--rate", "0"]) == 2
+
+
+@pytest.mark.parametrize("room", [None, "12", -1, 1 << 63, True, 1.5])
+def test_a_bad_room_is_refused(room):
+    from testbed.wire import room_of
+
+    with pytest.raises(WireError, match="room"):
+        room_of({"room": room})
+    assert room_of({"room": (1 << 63) - 1}) == (1 << 63) - 1
