@@ -5,9 +5,8 @@ spans, 512 per request) are POSTed one at a time over a keep-alive loopback
 connection to a real `pdwatch serve` (its own process):
 
   off  no forward endpoint;
-  on   PDWATCH_FORWARD_OTLP_ENDPOINT at an OTLP/HTTP receiver in this process,
-       which stores the bodies and decodes them after the timing, so its cost
-       stays out of the sidecar's figure as far as two cores allow.
+  on   PDWATCH_FORWARD_OTLP_ENDPOINT at an OTLP/HTTP receiver in a process of
+       its own, which stores the bodies and decodes them after the timing.
 
 Rounds alternate off/on and the best of each is kept. After the "on" rounds the
 receiver's span count is compared with what the sidecar says it sent, and the
@@ -20,13 +19,13 @@ most 20% (on >= 0.8x off).
 from __future__ import annotations
 
 import argparse
+import ast
 import logging
-import threading
+import subprocess
+import sys
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ingest_rate import build_bodies  # same directory: run as a script
@@ -34,45 +33,60 @@ from pdwatch import contract as c
 from pdwatch.sidecar_process import SidecarProcess
 
 
+RECEIVER = r"""
+import sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+bodies = []
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self):  # store now, decode when asked: the timing pays for the receipt only
+        bodies.append(self.rfile.read(int(self.headers.get("content-length", 0))))
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_GET(self):
+        counts = {}
+        for body in bodies:
+            for rs in ExportTraceServiceRequest.FromString(body).resource_spans:
+                for ss in rs.scope_spans:
+                    for span in ss.spans:
+                        counts[span.name] = counts.get(span.name, 0) + 1
+        out = repr(counts).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+    def log_message(self, *args):
+        pass
+
+server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+print(server.server_address[1], flush=True)
+server.serve_forever()
+"""
+
+
 class Receiver:
-    """Takes OTLP/HTTP POSTs, answers 200 at once, keeps the bodies for later."""
+    """An OTLP/HTTP receiver in its own process (so it does not share this client's interpreter)."""
 
     def __init__(self):
-        self.bodies: list[bytes] = []
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def do_POST(self):
-                outer.bodies.append(self.rfile.read(int(self.headers.get("content-length", 0))))
-                self.send_response(200)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.proc = subprocess.Popen([sys.executable, "-c", RECEIVER], stdout=subprocess.PIPE, text=True)
+        self.url = f"http://127.0.0.1:{int(self.proc.stdout.readline())}"
 
     def spans(self) -> tuple[int, int]:
         """(lifecycle spans, heartbeats) received."""
-        life = beats = 0
-        for body in self.bodies:
-            for rs in ExportTraceServiceRequest.FromString(body).resource_spans:
-                for ss in rs.scope_spans:
-                    for s in ss.spans:
-                        if s.name == c.SPAN_HEARTBEAT:
-                            beats += 1
-                        else:
-                            life += 1
-        return life, beats
+        counts = ast.literal_eval(httpx.get(self.url, timeout=60).text)
+        beats = counts.pop(c.SPAN_HEARTBEAT, 0)
+        return sum(counts.values()), beats
 
     def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+        self.proc.terminate()
+        self.proc.wait(10)
 
 
 def metrics(client: httpx.Client) -> dict:
@@ -122,12 +136,13 @@ def main() -> None:
         rcv = Receiver()
         receivers.append(rcv)
         on, last_on = one_round(bodies, spans_total, rcv.url)
-        rcv.close()
         off_best, on_best = max(off_best, off), max(on_best, on)
         print(f"  round: off {off:9.0f} spans/s   on {on:9.0f} spans/s")
     print(f"forwarding off: POST /v1/traces                {off_best:10.0f} spans/s")
     print(f"forwarding on:  same, forwarder sending         {on_best:10.0f} spans/s   ({on_best / off_best:.2f}x off)")
     life, beats = receivers[-1].spans()
+    for rcv in receivers:
+        rcv.close()
     fwd = {dict(k[1]).get("result") + "/" + dict(k[1]).get("kind"): v for k, v in last_on.items()
            if k[0] == "pdwatch_forward_spans_total"}
     sent = fwd.get("sent/lifecycle", 0)

@@ -33,8 +33,9 @@ CHUNK = 2048  # legs per OTLP body; the inventory limit, so each heartbeat lists
 
 def build_bodies(n_legs: int) -> list[bytes]:
     exporter = InMemorySpanExporter()
+    # The recorder's own cap on open legs (65,536 by default) must not evict before the sidecar sees them.
     rec = Recorder(RecorderConfig(role="prefill", instance="bench-prefill-0", heartbeat_s=3600.0,
-                                  max_export_queue=1 << 20, buffer_max=1 << 22),
+                                  max_export_queue=1 << 20, buffer_max=1 << 22, max_open_legs=n_legs + CHUNK),
                    exporter=exporter, environ={})
     bodies = []
     try:

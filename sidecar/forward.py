@@ -179,6 +179,7 @@ class Forwarder:
         backoff_s: float = 0.5,
         max_backoff_s: float = 30.0,
         timeout_s: float = 10.0,
+        linger_s: float = 0.05,
         headers: dict | None = None,
         family_of: Callable[[str], str | None] | None = None,
         offset_of: Callable[[object], int] | None = None,
@@ -190,6 +191,7 @@ class Forwarder:
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.timeout_s = timeout_s
+        self.linger_s = linger_s
         self.headers = {"Content-Type": "application/x-protobuf", **(headers or {})}
         self.family_of = family_of
         self._lock = threading.Lock()
@@ -280,6 +282,12 @@ class Forwarder:
             while True:
                 self._wake.wait(0.5)
                 stopping = self._stop.is_set()
+                # Linger a moment for a fuller batch (as the SDK's batch processor
+                # does): one POST per ingested request would cost the sidecar more
+                # CPU than the spans themselves. pd.stuck spans go at once.
+                if not stopping and self._requests and not self._stuck \
+                        and self._queued_spans < self.max_batch_spans:
+                    self._stop.wait(self.linger_s)
                 stuck, batch = self._take()
                 if stuck or batch:
                     try:
