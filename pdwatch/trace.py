@@ -226,7 +226,7 @@ def jaeger_json(detail: dict, family: dict[str, str] | None = None) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="pdwatch trace", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="pdwatch trace", description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("trace_id", metavar="TRACE_ID", help="32 hex digits")
     ap.add_argument("--sidecar", metavar="URL", default=os.environ.get("PDWATCH_SIDECAR", "http://127.0.0.1:4318"),
                     help="the sidecar's base URL [env PDWATCH_SIDECAR, default http://127.0.0.1:4318]")
