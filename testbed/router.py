@@ -160,7 +160,10 @@ class Router:
                     rec.tokens = int(line["token"])
                 if line.get("done"):
                     rec.kv_bytes = int(line.get("kv_bytes", 0))
-                    self._done(rec, line.get("outcome", "ok"), line.get("reason"))
+                    outcome = line.get("outcome", "ok")
+                    self._done(rec, outcome, line.get("reason"))
+                    if outcome != "ok":
+                        self._abort(rec.room, f"decode {rec.decode} ended the request: {outcome}")
                     return
         finally:
             with self._lock:
