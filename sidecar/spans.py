@@ -26,6 +26,8 @@ REASONS = (
 )
 
 STAGE_SPANS = {c.stage_span_name(s): s for s in c.ALL_STAGES}
+# Ranks per engine instance (tensor parallel size); more is a malformed resource.
+MAX_RANKS = 1024
 ZERO16, ZERO8 = bytes(16), bytes(8)
 KIND_LEG, KIND_STAGE, KIND_HEARTBEAT = "leg", "stage", "heartbeat"
 
@@ -129,20 +131,28 @@ def read_source(resource_attrs: dict) -> Source:
     uuids = resource_attrs.get(c.R_GPU_UUIDS) or ()
     if isinstance(uuids, str):
         uuids = (uuids,)
+    if not isinstance(uuids, (list, tuple)):
+        raise Rejection("bad_value", f"resource {c.R_GPU_UUIDS} must be a string or an array of strings")
     start_ns = _int(resource_attrs, c.R_START_NS, default=0)
     if start_ns < 0:
         raise Rejection("bad_value", f"resource {c.R_START_NS} is negative")
+    tp_rank = _int(resource_attrs, c.R_TP_RANK, default=0)
+    tp_size = _int(resource_attrs, c.R_TP_SIZE, default=1)
+    # Each rank is a tracked process: a bound keeps one instance from growing without end.
+    if not (0 <= tp_rank < MAX_RANKS and 1 <= tp_size <= MAX_RANKS):
+        raise Rejection("bad_value", f"resource {c.R_TP_RANK}={tp_rank}, {c.R_TP_SIZE}={tp_size}: "
+                                     f"ranks run 0..{MAX_RANKS - 1}")
     return Source(
         cluster=_str(resource_attrs, c.R_CLUSTER, required=False, default="default"),
         pd_instance=_str(resource_attrs, c.R_INSTANCE),
         role=role,
         incarnation=_str(resource_attrs, c.R_INSTANCE_ID),
-        tp_rank=_int(resource_attrs, c.R_TP_RANK, default=0),
-        tp_size=_int(resource_attrs, c.R_TP_SIZE, default=1),
+        tp_rank=tp_rank,
+        tp_size=tp_size,
         start_ns=start_ns,
         pid=_int(resource_attrs, c.R_PID),
         host=_str(resource_attrs, c.R_HOST, required=False),
-        gpu_uuids=tuple(str(u) for u in uuids if isinstance(u, str)),
+        gpu_uuids=tuple(u for u in uuids[:MAX_RANKS] if isinstance(u, str)),
         service=_str(resource_attrs, c.R_SERVICE_NAME, required=False),
         version=_str(resource_attrs, c.R_ENGINE_VERSION, required=False),
     )

@@ -21,8 +21,8 @@ from pdwatch import contract as c
 
 from .model import Cluster, Evaluation, Incarnation, Instance, Leg, StuckLeg
 from .spans import (
-    ZERO8, ZERO16, KIND_HEARTBEAT, REASONS, STAGE_SPANS, Rejection, Source, SpanIn, check_ids, iter_batches,
-    read_span, room_of,
+    ZERO8, ZERO16, KIND_HEARTBEAT, REASONS, STAGE_SPANS, Rejection, Source, SpanIn, check_ids, finite,
+    iter_batches, read_span, room_of,
 )
 from .thresholds import StageThresholds
 
@@ -30,6 +30,8 @@ _STAGE_INDEX = {role: {s: i for i, s in enumerate(stages)} for role, stages in c
 _SEEN_SPANS_MAX = 100_000
 _STATUS_ERROR = Status.STATUS_CODE_ERROR
 _RESTART_TIMES_MAX = 32
+# Largest engine-to-sidecar clock difference a heartbeat may show (see _heartbeat).
+MAX_SKEW_NS = 86_400 * 10**9
 
 
 def _is_hex(value, length: int) -> bool:
@@ -68,7 +70,7 @@ class Tracker:
         self.closed: OrderedDict[tuple[str, str], Leg] = OrderedDict()
         self.instances: dict[tuple[str, str], Instance] = {}
         self.clusters: dict[str, Cluster] = {}
-        self._seen_spans: OrderedDict[str, None] = OrderedDict()
+        self._seen_spans: OrderedDict[bytes, None] = OrderedDict()
         # Monotonic counters, exposed by the metrics collector.
         self.spans_received = 0
         self.heartbeats_received = 0
@@ -118,8 +120,11 @@ class Tracker:
                             messages.append(rej.message)
         return rejected, messages
 
-    def _seen(self, span_id: str) -> bool:
-        """True if this span was applied before (replays and retries change nothing twice)."""
+    def _seen(self, span_id: bytes) -> bool:
+        """True if this span was applied before (replays and retries change nothing twice).
+
+        Keyed by the raw 8-byte span id for every kind of span, as `_stage` does inline.
+        """
         seen = self._seen_spans
         if span_id in seen:
             return True
@@ -222,7 +227,7 @@ class Tracker:
             raise Rejection("missing_attribute", f"pd.request without {c.A_OUTCOME}")
         if role not in c.ROLES or outcome not in c.OUTCOMES:
             raise Rejection("bad_value", f"pd.request with role {role!r}, outcome {outcome!r}")
-        if self._seen(span.span_id):
+        if self._seen(bytes.fromhex(span.span_id)):
             self.duplicates += 1
             return
         key = (span.trace_id, role)
@@ -323,6 +328,10 @@ class Tracker:
         if seq <= inc.seq:
             self.duplicates += 1  # a replay or an old heartbeat arriving late
             return
+        if abs(now - span.end_ns) > MAX_SKEW_NS:
+            # Minutes of skew are corrected; a day is a broken clock or a forged time,
+            # and taking it as the offset would make every age of this process wrong.
+            raise Rejection("bad_value", f"pd.heartbeat time is more than {MAX_SKEW_NS // 10**9} s from the sidecar's")
         self.heartbeats_received += 1
         inc.seq = seq
         inc.last_heartbeat_ns = now
@@ -339,7 +348,7 @@ class Tracker:
             if isinstance(value, int) and not isinstance(value, bool):
                 setattr(inc, key, value)
         extra = {k: v for k, v in attrs.items()
-                 if (k.startswith("pdwatch.") or k.startswith("pd.engine.")) and isinstance(v, (int, float))}
+                 if (k.startswith("pdwatch.") or k.startswith("pd.engine.")) and finite(v)}
         if extra:
             inc.extra = dict(list(extra.items())[:64])
         counts = {}
@@ -361,6 +370,9 @@ class Tracker:
         tids = attrs.get(c.H_OPEN_TRACE_IDS) or []
         stages = attrs.get(c.H_OPEN_STAGES) or []
         since = attrs.get(c.H_OPEN_SINCE) or []
+        # Types first: a scalar where a list belongs has no length to compare.
+        if not (isinstance(tids, list) and isinstance(stages, list) and isinstance(since, list)):
+            raise Rejection("bad_value", "inventory trace ids, stages and entry times must be arrays")
         n = len(tids)
         optional = {}
         for name in (c.H_OPEN_RIDS, c.H_OPEN_TOKENS, c.H_OPEN_SPAN_IDS, c.H_OPEN_ROOMS, c.H_OPEN_PEERS):
@@ -369,8 +381,7 @@ class Tracker:
                 if not isinstance(value, list) or len(value) != n:
                     raise Rejection("bad_value", f"inventory list {name} has {len(value) if isinstance(value, list) else 'no'} entries, not {n}")
                 optional[name] = value
-        if not (isinstance(tids, list) and isinstance(stages, list) and isinstance(since, list)) \
-                or len(stages) != n or len(since) != n:
+        if len(stages) != n or len(since) != n:
             raise Rejection("bad_value", "inventory lists of unequal length")
         if n > total:
             raise Rejection("bad_value", f"inventory lists {n} legs but {c.H_OPEN_TOTAL}={total}")
