@@ -25,14 +25,13 @@ from .gpu.join import InstanceClaim, Owner, parse_gpu_map
 from .gpu.sampler import GpuSampler
 from .metrics import StageDurations, TrackerCollector
 from .otlp_body import BodyError, decompress, media_type, parse_request, response_body
+from .overload import RETRY_AFTER_S, GuardCollector, IngestGuard
 from .settings import Settings
 from .tracker import Tracker
 
 log = logging.getLogger("pdwatch.sidecar")
 
 TRACE_ID = re.compile(r"^[0-9a-f]{32}$")
-# Requests being read or applied at once; more are told to come back (429).
-MAX_INGEST_IN_FLIGHT = 32
 
 
 class Sidecar:
@@ -47,6 +46,7 @@ class Sidecar:
             max_open_legs=settings.max_open_legs,
             max_closed_legs=settings.max_closed_legs,
             max_instances=settings.max_instances,
+            instance_ttl_s=settings.instance_ttl_s,
             clock=clock,
         )
         self.durations = StageDurations(self.tracker.lock)
@@ -61,7 +61,8 @@ class Sidecar:
         if self.forwarder is not None:
             self.tracker.on_stuck = self.forwarder.on_stuck  # enqueues only: it runs under the tracker lock
             self.registry.register(ForwardCollector(self.forwarder))
-        self.ingest_in_flight = 0
+        self.guard = IngestGuard(settings.max_rss_bytes)
+        self.registry.register(GuardCollector(self.guard))
         self.ingest_errors = 0
 
     def diagnosis(self) -> list[dict]:
@@ -132,9 +133,10 @@ def create_app(settings: Settings | None = None, *, clock=time.time_ns, sidecar:
 
     @app.post("/v1/traces", summary="OTLP/HTTP trace ingest (protobuf or JSON, optionally gzip)")
     async def ingest(request: Request, _: Auth) -> Response:
-        if sc.ingest_in_flight >= MAX_INGEST_IN_FLIGHT:
-            return JSONResponse({"detail": "overloaded, retry later"}, status_code=429, headers={"Retry-After": "1"})
-        sc.ingest_in_flight += 1
+        refusal = sc.guard.refusal()
+        if refusal is not None:
+            return JSONResponse({"detail": refusal[1]}, status_code=refusal[0], headers={"Retry-After": RETRY_AFTER_S})
+        sc.guard.in_flight += 1
         try:
             media = media_type(request.headers.get("content-type"))
             limit = settings.max_body_bytes
@@ -162,7 +164,7 @@ def create_app(settings: Settings | None = None, *, clock=time.time_ns, sidecar:
         except BodyError as err:
             return JSONResponse({"detail": err.message}, status_code=err.status)
         finally:
-            sc.ingest_in_flight -= 1
+            sc.guard.in_flight -= 1
 
     @app.get("/metrics", summary="Prometheus text; OpenMetrics with exemplars when asked for")
     def metrics(request: Request) -> Response:

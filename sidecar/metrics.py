@@ -193,11 +193,15 @@ class TrackerCollector:
         instances.add_metric([], len(t.instances))
         evicted = CounterMetricFamily("pdwatch_legs_evicted",
                                       "Legs dropped from tracking: open_limit (new legs refused at the memory cap), "
-                                      "closed_limit (finished legs forgotten at the history cap), vanished (gone from their engine's inventory without a leg span).",
+                                      "closed_limit (finished legs forgotten at the history cap), vanished (gone from their engine's inventory without a leg span), "
+                                      "instance_gone (their instance sent nothing for PDWATCH_INSTANCE_TTL_S).",
                                       labels=["reason"])
         for reason, n in t.evicted.items():
             evicted.add_metric([reason], n)
-        yield from (received, rejected, duplicates, heartbeats, tracked, instances, evicted)
+        expired = CounterMetricFamily("pdwatch_instances_expired",
+                                      "Instances forgotten after sending nothing for PDWATCH_INSTANCE_TTL_S.")
+        expired.add_metric([], t.instances_expired)
+        yield from (received, rejected, duplicates, heartbeats, tracked, instances, evicted, expired)
         if self.durations is not None:
             refused = CounterMetricFamily("pdwatch_label_sets_refused",
                                           "Observations dropped because a metric reached its label-set cap.")

@@ -29,6 +29,17 @@ def _positive(kind: Callable[[str], Any]):
     return parse
 
 
+def _non_negative(kind: Callable[[str], Any]):
+    def parse(raw: str):
+        value = kind(raw)
+        if value < 0:
+            raise ValueError("must be zero or more")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
 def _port(raw: str) -> int:
     value = int(raw)
     if not 0 <= value <= 65535:
@@ -86,6 +97,10 @@ FIELDS: list[Field] = [
           "finished legs remembered for /api/v1/requests and de-duplication"),
     Field("max_instances", "PDWATCH_MAX_INSTANCES", _positive(int),
           "engine instances tracked; spans from more are rejected, counted"),
+    Field("instance_ttl_s", "PDWATCH_INSTANCE_TTL_S", _positive(float),
+          "an instance none of whose ranks sent anything for this long is forgotten with its open legs, counted"),
+    Field("max_rss_bytes", "PDWATCH_MAX_RSS_BYTES", _non_negative(int),
+          "resident memory above which ingest answers 503 with Retry-After until it falls again; 0 = no limit"),
     Field("evaluate_interval_s", "PDWATCH_EVALUATE_INTERVAL_S", _positive(float),
           "how often the stuck rule runs, seconds"),
     Field("log_level", "PDWATCH_LOG_LEVEL", _choice("debug", "info", "warning", "error"), "log level"),
@@ -111,6 +126,8 @@ class Settings:
     max_open_legs: int = 200_000
     max_closed_legs: int = 50_000
     max_instances: int = 1024
+    instance_ttl_s: float = 3600.0
+    max_rss_bytes: int = 4 << 30
     evaluate_interval_s: float = 0.5
     log_level: str = "info"
     # Not settable from outside: tests inject a clock.

@@ -53,6 +53,7 @@ class Tracker:
         max_open_legs: int = 200_000,
         max_closed_legs: int = 50_000,
         max_instances: int = 1024,
+        instance_ttl_s: float = 3600.0,
         clock: Callable[[], int] = time.time_ns,
         on_stage_duration: Callable[[str, str, str, float, str], None] | None = None,
         on_stuck: Callable[[Leg, float, float, int], None] | None = None,
@@ -62,6 +63,7 @@ class Tracker:
         self.max_open = max_open_legs
         self.max_closed = max_closed_legs
         self.max_instances = max_instances
+        self.instance_ttl_ns = int(instance_ttl_s * 1e9)
         self.clock = clock
         self.on_stage_duration = on_stage_duration
         self.on_stuck = on_stuck
@@ -76,7 +78,8 @@ class Tracker:
         self.heartbeats_received = 0
         self.duplicates = 0
         self.rejected = dict.fromkeys(REASONS, 0)
-        self.evicted: dict[str, int] = {"open_limit": 0, "closed_limit": 0, "vanished": 0}
+        self.evicted: dict[str, int] = {"open_limit": 0, "closed_limit": 0, "vanished": 0, "instance_gone": 0}
+        self.instances_expired = 0
         self.finished: dict[tuple[str, str, str, str], int] = {}  # (cluster, role, pd_instance, outcome)
         self.stuck_detected: dict[tuple[str, str, str], int] = {}
         self.last_eval = Evaluation(0, [], {}, {}, {})
@@ -452,12 +455,44 @@ class Tracker:
                 self.evicted["vanished"] += 1
                 self._close(leg, None, hb_ns, hb_ns)
 
+    # ---- forgetting ----------------------------------------------------------
+
+    def expire_instances(self, now: int) -> int:
+        """Forget instances no rank of which sent anything for the TTL; returns how many.
+
+        An instance that was scaled away or renamed never sends the heartbeat
+        that would end its legs: without this, its legs, counters and label
+        sets would stay forever and its slot would count against the cap.
+        """
+        cutoff = now - self.instance_ttl_ns
+        gone = [key for key, inst in self.instances.items()
+                if inst.ranks and max(inc.last_seen_ns for inc in inst.ranks.values()) < cutoff]
+        for key in gone:
+            inst = self.instances.pop(key)
+            for inc in inst.ranks.values():
+                for leg_key in list(inc.keys):
+                    leg = self.open.get(leg_key)
+                    if leg is not None and leg.inc is inc:
+                        del self.open[leg_key]
+                        self.evicted["instance_gone"] += 1
+                        self._close(leg, None, leg.stage_since_ns, now)
+                inc.keys.clear()
+            for fkey in [k for k in self.finished if k[0] == inst.cluster and k[2] == inst.name]:
+                del self.finished[fkey]
+            if not any(other.cluster == inst.cluster for other in self.instances.values()):
+                self.clusters.pop(inst.cluster, None)
+                for skey in [k for k in self.stuck_detected if k[0] == inst.cluster]:
+                    del self.stuck_detected[skey]
+        self.instances_expired += len(gone)
+        return len(gone)
+
     # ---- judging -------------------------------------------------------------
 
     def evaluate(self, now: int | None = None) -> Evaluation:
         """Apply the stuck rule to every open leg; remembers and returns the result."""
         with self.lock:
             now = self.clock() if now is None else now
+            self.expire_instances(now)
             thresholds: dict[tuple[str, str, str], float] = {}
             groups: dict[tuple[str, str, str, str], list] = {}
             stuck: list[StuckLeg] = []
