@@ -90,7 +90,7 @@ def _binary(*names: str) -> str:
 
 
 class Monitoring:
-    def __init__(self, sidecars: list[str], *, scrape_interval_s: float = 1.0, evaluation_interval_s: float = 1.0,
+    def __init__(self, sidecars: list[str], *, scrape_interval_s: float = 2.0, evaluation_interval_s: float = 1.0,
                  group_wait_s: float = 1.0, rules: Path = RULES, am_config: Path = AM_CONFIG,
                  workdir: str | None = None):
         self.sidecars = [s.replace("http://", "").rstrip("/") for s in sidecars]

@@ -106,7 +106,10 @@ def collective_desync(f: ClusterFacts) -> Finding | None:
     for i in f.instances:
         if not i.up or not i.loop_stalled:
             continue
-        reading, text = _gpu_reading(i.gpus)
+        # In a TP group the ranks that entered the collective spin while the one
+        # that never joined sits idle: any busy GPU of the frozen instance counts.
+        spinning = [g for g in i.gpus if g.utilization is not None and g.utilization >= BUSY_UTILIZATION]
+        reading, text = _gpu_reading(spinning) if spinning else _gpu_reading(i.gpus)
         if reading == "busy":
             evidence.append(f"{i.role} {i.pd_instance}: scheduler loop frozen while heartbeats continue; {text}: "
                             "the ranks spin in a collective that never completes")

@@ -108,3 +108,13 @@ def test_a_co_restart_is_not_skew():
         inst("decode-0", "decode", start=1600, restarts=1, restart_age=30, stuck={"transfer": 1}),
     ])
     assert "restart_skew" not in families(facts)
+
+
+def test_one_spinning_rank_of_a_frozen_tp_group_is_enough():
+    facts = cluster([
+        inst("prefill-0", "prefill", gpus=WORKING),
+        inst("decode-0", "decode", stalled=True, ok=0, stuck={"decode": 2}, gpus=[BUSY[0], IDLE[0]]),
+    ])
+    v = verdict(facts)
+    assert v["family"] == "collective_desync"
+    assert "GPU 2 at 99 % utilization" in v["evidence"][0]

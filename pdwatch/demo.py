@@ -1,0 +1,255 @@
+"""`pdwatch demo`: the brief's incident in the testbed, watched by pdwatch end to end.
+
+Starts `pdwatch serve` on a free loopback port, Prometheus and Alertmanager
+with the repository's rules and routes, and the testbed (prefill and two
+decodes over NIXL) exporting to the sidecar. It prints live progress; once the
+sidecar reports stuck legs while other requests keep completing, it prints
+them next to the testbed's own ground truth, then the diagnosis, then waits
+for the page to reach the webhook. Exit status 0 means pdwatch caught exactly
+what the testbed knows is hung, diagnosed it and paged; anything else says why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from pdwatch.sidecar_process import SidecarProcess
+
+SCENARIOS_EXPECTING_STUCK = {"decode-restart"}
+HEADLINE = "PDRequestStuckWhileOthersFlow"
+
+
+def _progress_line(t: float, summary: dict, stuck: list) -> str:
+    clusters = summary.get("clusters", {})
+    cl = clusters.get("default") or (next(iter(clusters.values())) if clusters else {})
+    finished = cl.get("finished", {})
+    ok = sum(v.get("ok", 0) for v in finished.values())
+    bad = sum(n for v in finished.values() for k, n in v.items() if k != "ok")
+    open_parts = []
+    for role, stages in sorted(cl.get("open", {}).items()):
+        inner = " ".join(f"{s}={n}" for s, n in stages.items() if n)
+        open_parts.append(f"{role}[{inner or '-'}]")
+    return f"t={t:5.1f}s  legs finished ok={ok:<4} not ok={bad:<3} open: {' '.join(open_parts) or '-':<48} stuck={len(stuck)}"
+
+
+def _stuck_table(stuck: list, limit: int = 12) -> str:
+    rows = [("TRACE ID", "ROLE", "STAGE", "AGE", "THRESHOLD", "INSTANCE", "PEER", "ROOM", "RID")]
+    ordered = sorted(stuck, key=lambda s: (-s["stage_age_s"], s["trace_id"], s["role"]))
+    for s in ordered[:limit]:
+        rows.append((
+            s["trace_id"], s["role"], s["stage"], f"{s['stage_age_s']:.1f}s", f"{s['threshold_s']:.0f}s",
+            s.get("pd_instance") or "", s.get("peer") or "", str(s.get("bootstrap_room") or ""), s.get("rid") or "",
+        ))
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    text = "\n".join("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows)
+    if len(ordered) > limit:
+        text += f"\n... and {len(ordered) - limit} more (GET /api/v1/stuck)"
+    return text
+
+
+def _ok_count(summary: dict) -> int:
+    return sum(
+        v.get("ok", 0) for cl in summary.get("clusters", {}).values() for v in cl.get("finished", {}).values()
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="pdwatch demo", description=__doc__.splitlines()[0])
+    ap.add_argument("--scenario", default="decode-restart",
+                    help="testbed scenario (default decode-restart: the incident)")
+    ap.add_argument("--rate", type=float, default=4.0, help="requests per second (default 4)")
+    ap.add_argument("--restart-at", type=float, default=8.0,
+                    help="seconds after start when decode-0 is restarted alone (default 8)")
+    ap.add_argument("--heartbeat-s", type=float, default=1.0, help="engine heartbeat interval (default 1)")
+    ap.add_argument("--floor-transfer-s", type=float, default=15.0,
+                    help="stuck floor of the transfer stage (default 15, the contract's)")
+    ap.add_argument("--timeout-s", type=float, default=90.0, help="give up on detection after this long (default 90)")
+    ap.add_argument("--confirm-s", type=float, default=4.0,
+                    help="after the first detection, watch this long for completions to go on (default 4)")
+    ap.add_argument("--no-alerts", action="store_true",
+                    help="skip Prometheus and Alertmanager (detection and diagnosis only)")
+    ap.add_argument("--page-timeout-s", type=float, default=150.0,
+                    help="after the fault, wait this long for the page to reach the webhook (default 150)")
+    ap.add_argument("--seed", type=int, default=1)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from testbed.stack import Stack  # imports numpy and NIXL; keep --help fast
+
+    expect_stuck = args.scenario in SCENARIOS_EXPECTING_STUCK
+    env = {"PDWATCH_FLOOR_TRANSFER_S": str(args.floor_transfer_s), "PDWATCH_LOG_LEVEL": "warning"}
+    gpus = _gpu_emulation()
+    if gpus is not None:
+        env.update(gpus.env())
+    print(f"pdwatch demo: scenario {args.scenario}, transfer floor {args.floor_transfer_s:.0f} s")
+    with SidecarProcess(env=env) as sidecar:
+        print(f"sidecar listening on {sidecar.url}")
+        monitoring = None
+        if not args.no_alerts and expect_stuck:
+            from pdwatch.monitoring import Monitoring, MonitoringError
+
+            try:
+                monitoring = Monitoring([sidecar.url]).start()
+                print(f"Prometheus on {monitoring.prometheus_url}, Alertmanager on {monitoring.alertmanager_url}, "
+                      f"pages to a webhook on {monitoring.webhook.url}")
+            except MonitoringError as exc:
+                print(f"FAIL: cannot start Prometheus and Alertmanager: {exc}")
+                return 1
+        stack = Stack(
+            args.scenario,
+            otlp_endpoint=sidecar.url,
+            heartbeat_s=args.heartbeat_s,
+            rate=args.rate,
+            restart_at=args.restart_at,
+            seed=args.seed,
+            **({"gpus": gpus} if gpus is not None and _stack_takes_gpus() else {}),
+        )
+        try:
+            stack.start()
+            return _watch(args, stack, sidecar, monitoring, expect_stuck)
+        finally:
+            stack.stop()
+            if monitoring is not None:
+                monitoring.stop()
+
+
+def _gpu_emulation():
+    """Emulated GPUs behind the NVML stub, when the stub is built (make demo builds it)."""
+    try:
+        from testbed.gpu_emulation import GpuEmulator
+    except ImportError:
+        return None
+    try:
+        return GpuEmulator.for_demo()
+    except (AttributeError, FileNotFoundError, OSError):
+        return None
+
+
+def _stack_takes_gpus() -> bool:
+    import inspect
+
+    from testbed.stack import Stack
+
+    return "gpus" in inspect.signature(Stack).parameters
+
+
+def _watch(args, stack, sidecar, monitoring, expect_stuck: bool) -> int:
+    t0 = time.monotonic()
+    detected_at = None
+    ok_at_detection = 0
+    stuck: list = []
+    summary: dict = {}
+    fault_at = None
+    while time.monotonic() - t0 < args.timeout_s:
+        time.sleep(1.0)
+        for event in stack.poll_events():
+            if event.get("event") == "killed" and fault_at is None:
+                fault_at = event["t"]
+            if event.get("event") == "restart":
+                print(f"--- testbed: {event.get('instance', 'decode-0')} restarted alone "
+                      f"(new NIXL agent; prefill keeps its bootstrap state) ---")
+        summary = sidecar.get("/api/v1/summary")
+        stuck = sidecar.get("/api/v1/stuck")
+        now = time.monotonic() - t0
+        print(_progress_line(now, summary, stuck), flush=True)
+        if stuck and detected_at is None:
+            detected_at, ok_at_detection = now, _ok_count(summary)
+            print(f"--- pdwatch: {len(stuck)} stuck leg(s) detected; watching the others keep flowing ---")
+        if detected_at is not None and now - detected_at >= args.confirm_s:
+            break
+        if not expect_stuck and now >= args.timeout_s / 3:
+            break
+    if not expect_stuck:
+        if stuck:
+            print(f"FAIL: scenario {args.scenario} should hang nothing, yet pdwatch reports {len(stuck)} stuck")
+            print(_stuck_table(stuck))
+            return 1
+        print(f"OK: scenario {args.scenario}: {_ok_count(summary)} legs finished, nothing stuck")
+        return 0
+    if detected_at is None:
+        why = "the testbed never restarted decode-0" if fault_at is None else "no leg was reported stuck"
+        print(f"FAIL: nothing detected within {args.timeout_s:.0f} s ({why})")
+        return 1
+    flowed = _ok_count(summary) - ok_at_detection
+    print()
+    print(f"Stuck legs ({len(stuck)}), as /api/v1/stuck reports them:")
+    print(_stuck_table(stuck))
+    truth = stack.truth()
+    hung = {r.trace_id: r for r in truth.outstanding_after_restart()}
+    reported = {s["trace_id"] for s in stuck}
+    wall = time.time()
+    young = {t for t, r in hung.items() if wall - r.sent_at < args.floor_transfer_s + 2 * args.heartbeat_s}
+    print()
+    print(f"testbed ground truth: {len(hung)} request(s) hung after the restart; pdwatch names {len(reported & hung.keys())} "
+          f"of them on both legs, {len(reported - hung.keys())} other(s); {len(young - reported)} more are still younger "
+          f"than the {args.floor_transfer_s:.0f} s floor")
+    print(f"legs that finished ok after the first detection: {flowed}")
+    if flowed <= 0:
+        print("FAIL: no request completed after the detection: this is not 'stuck while others flow'")
+        return 1
+    if reported - hung.keys():
+        print("FAIL: pdwatch reported legs the testbed does not consider hung")
+        return 1
+    missed = set(hung) - reported - young
+    if missed:
+        print(f"FAIL: {len(missed)} hung request(s) past the floor were not reported")
+        return 1
+    print("OK: pdwatch named the hung requests while the others kept flowing")
+    print()
+    from pdwatch.diagnose import render
+
+    print("Diagnosis (pdwatch diagnose):")
+    print(render(sidecar.get("/api/v1/diagnosis")))
+    if monitoring is None:
+        return 0
+    return _await_page(args, stack, sidecar, monitoring, fault_at)
+
+
+def _await_page(args, stack, sidecar, monitoring, fault_at) -> int:
+    print()
+    print(f"Waiting for Alertmanager to page {HEADLINE} (the rule holds for its `for` first) ...", flush=True)
+    deadline = (fault_at or time.time()) + args.page_timeout_s
+    last = 0.0
+    while time.time() < deadline:
+        pages = monitoring.webhook.alerts(HEADLINE)
+        if pages:
+            t, path, alert = pages[0]
+            print(f"PAGE received at the webhook {path}, {t - fault_at:.0f} s after decode-0 was restarted:")
+            for key, value in sorted(alert["labels"].items()):
+                print(f"  {key}={value}")
+            notes = alert["annotations"]
+            print(f"  summary: {notes.get('summary')}")
+            print(f"  description: {notes.get('description')}")
+            print(f"  runbook: {notes.get('runbook_url')}")
+            others = sorted({a["labels"]["alertname"] for a in monitoring.firing()} - {HEADLINE})
+            if others:
+                print(f"also firing in Prometheus: {', '.join(others)}")
+            print("OK: paged")
+            return 0
+        if time.time() - last >= 10:
+            last = time.time()
+            firing = monitoring.firing()
+            pending = _pending(monitoring)
+            print(f"  {time.time() - fault_at:5.0f} s since the fault: stuck={len(sidecar.get('/api/v1/stuck'))}, "
+                  f"pending alerts {pending or '-'}, firing {sorted({a['labels']['alertname'] for a in firing}) or '-'}",
+                  flush=True)
+        time.sleep(1)
+    print(f"FAIL: no page within {args.page_timeout_s:.0f} s of the fault")
+    return 1
+
+
+def _pending(monitoring) -> list[str]:
+    import httpx
+
+    r = httpx.get(f"{monitoring.prometheus_url}/api/v1/alerts", timeout=5).json()
+    return sorted({a["labels"]["alertname"] for a in r["data"]["alerts"] if a["state"] == "pending"})
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
