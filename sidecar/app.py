@@ -34,6 +34,24 @@ log = logging.getLogger("pdwatch.sidecar")
 TRACE_ID = re.compile(r"^[0-9a-f]{32}$")
 
 
+# The ingest body is read by hand (streamed, size-limited), so FastAPI cannot
+# infer it: described here, so the schema (and schemathesis) know it.
+INGEST_OPENAPI = {
+    "requestBody": {"required": True, "content": {
+        "application/x-protobuf": {"schema": {"type": "string", "format": "binary"}},
+        "application/json": {"schema": {"type": "object", "properties": {
+            "resourceSpans": {"type": "array", "items": {"type": "object"}}}}},
+    }},
+    "responses": {
+        "200": {"description": "ExportTraceServiceResponse; partial_success names spans it could not use"},
+        **{str(code): {"description": text} for code, text in (
+            (400, "malformed body or gzip"), (401, "missing or wrong bearer token"), (413, "body over the limit"),
+            (415, "content type or encoding not supported"), (429, "too many requests in flight; Retry-After"),
+            (503, "sidecar memory over its limit; Retry-After"))},
+    },
+}
+
+
 class Sidecar:
     """Everything one running sidecar owns: settings, tracker, metrics registry."""
 
@@ -131,7 +149,8 @@ def create_app(settings: Settings | None = None, *, clock=time.time_ns, sidecar:
     app.state.sidecar = sc
 
 
-    @app.post("/v1/traces", summary="OTLP/HTTP trace ingest (protobuf or JSON, optionally gzip)")
+    @app.post("/v1/traces", summary="OTLP/HTTP trace ingest (protobuf or JSON, optionally gzip)",
+              openapi_extra=INGEST_OPENAPI)
     async def ingest(request: Request, _: Auth) -> Response:
         refusal = sc.guard.refusal()
         if refusal is not None:
