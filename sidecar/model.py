@@ -3,8 +3,13 @@ legs and clusters. Plain data; the tracker owns the rules that change them."""
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
 from dataclasses import dataclass, field
+
+from pdwatch import contract as c
+
+_STAGE_NO = {stage: i for i, stage in enumerate(c.ALL_STAGES)}
 
 # Heartbeats whose (receive - send) time feed the clock offset estimate.
 OFFSET_SAMPLES = 16
@@ -96,10 +101,35 @@ class Leg:
     arrive_ns: int | None = None
     end_ns: int | None = None
     outcome: str | None = None  # None while open, or closed without a leg span ("vanished")
-    history: list = field(default_factory=list)  # (stage, start_ns, end_ns, error)
+    # Finished stages as flat (stage index, start_ns, end_ns) triples: a compact
+    # array instead of a tuple per stage is most of the memory an open leg costs.
+    history: array | None = None
+    errors: dict | None = None  # stage index -> reason, for stages that ended in failure
     listed_seq: int = -1
     stuck_at_ns: int | None = None  # sidecar clock, while stuck
     ever_stuck: bool = False
+
+
+def record_stage(leg: "Leg", stage: str, start_ns: int, end_ns: int, error: str | None) -> None:
+    if leg.history is None:
+        leg.history = array("Q")  # OTLP times are unsigned 64-bit
+    n = _STAGE_NO[stage]
+    leg.history.extend((n, start_ns, end_ns))
+    if error is not None:
+        if leg.errors is None:
+            leg.errors = {}
+        leg.errors[n] = error
+
+
+def stage_history(leg: "Leg") -> list[tuple[str, int, int, str | None]]:
+    """(stage, start_ns, end_ns, error) of each finished stage, in start order."""
+    h = leg.history
+    if not h:
+        return []
+    errors = leg.errors or {}
+    out = [(c.ALL_STAGES[h[i]], h[i + 1], h[i + 2], errors.get(h[i])) for i in range(0, len(h), 3)]
+    out.sort(key=lambda item: item[1])
+    return out
 
 
 @dataclass(slots=True, eq=False)

@@ -19,7 +19,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Status
 
 from pdwatch import contract as c
 
-from .model import Cluster, Evaluation, Incarnation, Instance, Leg, StuckLeg
+from .model import Cluster, Evaluation, Incarnation, Instance, Leg, StuckLeg, record_stage
 from .spans import (
     ZERO8, ZERO16, KIND_HEARTBEAT, REASONS, STAGE_SPANS, Rejection, Source, SpanIn, check_ids, finite,
     iter_batches, read_span, room_of,
@@ -306,7 +306,7 @@ class Tracker:
             return
         if leg.span_id is None and parent:
             leg.span_id = parent.hex()
-        leg.history.append((stage, start, end, error))
+        record_stage(leg, stage, start, end, error)
         if leg.end_ns is not None:
             return  # closed already: history only
         # The end of one stage is the start of the next: move an open leg on
@@ -419,7 +419,8 @@ class Tracker:
                     continue
                 if old is not None:  # judged vanished too early (a cut list): it is open after all
                     del self.closed[key]
-                    leg.history, leg.rid, leg.room, leg.peer = old.history, old.rid, old.room, old.peer
+                    leg.history, leg.errors = old.history, old.errors
+                    leg.rid, leg.room, leg.peer = old.rid, old.room, old.peer
             else:
                 self._adopt(leg, key, src, inc)
             if isinstance(rid, str) and rid:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pdwatch import contract as c
 
-from .model import Leg
+from .model import Leg, stage_history
 from .tracker import Tracker
 
 
@@ -54,7 +54,7 @@ def _leg(leg: Leg, stuck: dict, now: int) -> dict:
         "stages": [
             {"stage": stage, "start_unix_s": _s(start), "end_unix_s": _s(end),
              "duration_s": round((end - start) / 1e9, 6), "error": error}
-            for stage, start, end, error in sorted(leg.history, key=lambda h: h[1])
+            for stage, start, end, error in stage_history(leg)
         ],
     }
     if out["state"] == "open":

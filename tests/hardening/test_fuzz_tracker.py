@@ -12,6 +12,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from pdwatch import contract as c
 from sidecar.otlp_body import PROTOBUF, parse_request
+from sidecar.model import stage_history
 from sidecar.tracker import Tracker
 
 from .conftest import FLOORS, FUZZ_EXAMPLES, T0, FakeClock, check_invariants, kvs, span
@@ -103,8 +104,8 @@ def requests(draw) -> ExportTraceServiceRequest:
 def snapshot(t: Tracker):
     """Every fact the tracker would report, without the counters that count the replay itself."""
     legs = {k: (l.stage, l.stage_since_ns, l.progress_ns, l.tokens, l.rid, l.room, l.peer, l.stage_done,
-                len(l.history), l.inc.id if l.inc else None) for k, l in t.open.items()}
-    closed = {k: (l.outcome, l.end_ns, len(l.history)) for k, l in t.closed.items()}
+                len(stage_history(l)), l.inc.id if l.inc else None) for k, l in t.open.items()}
+    closed = {k: (l.outcome, l.end_ns, len(stage_history(l))) for k, l in t.closed.items()}
     ranks = {k: {r: (inc.id, inc.seq, tuple(inc.offsets)) for r, inc in i.ranks.items()} for k, i in t.instances.items()}
     return legs, closed, ranks, dict(t.finished), {k: len(v) for k, v in t.thresholds._samples.items()}
 
