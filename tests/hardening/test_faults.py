@@ -175,3 +175,23 @@ def test_a_sidecar_restarted_mid_incident_finds_the_stuck_legs_again_with_their_
     for role in ("prefill", "decode"):
         assert f'pdwatch_stuck_detected_total{{cluster="default",role="{role}",stage="transfer"}} 3.0' in metrics
     check_invariants(second.sidecar.tracker)
+
+
+def test_after_a_restart_a_decode_leg_with_tokens_is_found_one_floor_later_never_falsely(engines, clock):
+    d = engines("decode", "decode-0")
+    d.walk("d-1", 1, ("bootstrap", "transfer", "queued", "decode"))
+    d.rec.token("d-1", 7)
+    first = Tracker(FLOORS, clock=clock)
+    first.ingest(d.request(heartbeat=True))
+    clock.advance(40)  # no token for 40 s: past the decode floor of 30
+    first.ingest(d.request(heartbeat=True))
+    assert [s.leg.stage for s in first.evaluate().stuck] == ["decode"]
+    second = Tracker(FLOORS, clock=clock)  # restarted: the token count is known, not when the last token came
+    second.ingest(d.request(heartbeat=True))
+    assert second.evaluate().stuck == []
+    clock.advance(29)
+    second.ingest(d.request(heartbeat=True))
+    assert second.evaluate().stuck == []
+    clock.advance(2)
+    second.ingest(d.request(heartbeat=True))
+    assert [(s.leg.stage, round(s.age_s)) for s in second.evaluate().stuck] == [("decode", 31)]
