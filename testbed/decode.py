@@ -28,6 +28,8 @@ from engine_patches import recorder as pdrec
 from pdwatch import contract as c
 
 from . import kv
+from .engine_status import StatusWriter
+from .tp import TpLeader
 from .wire import Conn, LineServer, WireError, room_of
 
 log = logging.getLogger("testbed.decode")
@@ -36,6 +38,7 @@ log = logging.getLogger("testbed.decode")
 BOOTSTRAP, TRANSFER, QUEUED, DECODE = c.STAGES["decode"]
 
 MAX_UNEXPECTED_NOTIFS = 4096
+TP_IDLE_SYNC_S = 0.02  # an idle TP group still meets this often (SGLang broadcasts new requests each iteration)
 
 
 @dataclass
@@ -104,7 +107,9 @@ class DecodeEngine:
         self.args = args
         if not args.prefill_bootstrap_port:
             raise SystemExit("decode needs --prefill-bootstrap-port")
-        self.rec = pdrec.from_env("decode", service_name=args.service_name, engine_version="testbed")
+        self.rec = pdrec.from_env("decode", service_name=args.service_name, engine_version="testbed",
+                                  tp_size=args.tp_size, gpu_uuids=tuple(args.gpu_uuid or ()))
+        self.status = StatusWriter(args.status_file)
         # A new agent name on every start, like a restarted SGLang decode.
         self.agent_name = f"{args.instance}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.agent = kv.make_agent(self.agent_name)
@@ -124,6 +129,12 @@ class DecodeEngine:
         self._seq = 0
         self._next_step = 0.0
         self._stop = threading.Event()
+        # Rank 0 of a TP group: every forward is a collective with the other rank.
+        self.tp = TpLeader(args.tp_port, self.status, self._stop) if args.tp_size > 1 else None
+        self._last_sync = 0.0
+        # Fault `kv_leak`: finished requests no longer return their KV slot, so the pool drains.
+        self.kv_leak = False
+        self.leaked_slots = 0
         self.api = LineServer(args.api_port, self._on_api)
         self.endpoint = f"127.0.0.1:{self.api.port}"
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
@@ -142,21 +153,34 @@ class DecodeEngine:
             return None
         if op == "stats":
             return {"ok": True, "kv_bytes_checked": self.kv_bytes_checked, "agent": self.agent_name,
-                    "free_slots": self.pool.free_count}
+                    "free_slots": self.pool.free_count, "leaked_slots": self.leaked_slots}
+        if op == "kv_leak":
+            # Read by the scheduler thread on its next step; a bool store is atomic.
+            self.kv_leak = True
+            return {"ok": True, "free_slots": self.pool.free_count}
         return {"ok": False, "error": f"unknown op {op!r}"}
 
     # ---- scheduler thread ------------------------------------------------
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            t0 = time.monotonic()
+            # A running batch keeps the GPU computing until the next step is due.
+            computing = bool(self.running)
             self.rec.loop_tick()
             try:
+                if self.tp is not None and not computing and t0 - self._last_sync >= TP_IDLE_SYNC_S:
+                    self._last_sync = t0
+                    if not self.tp.sync(False):
+                        continue
                 busy = self._step()
             except Exception:
                 log.exception("scheduler step failed")
                 busy = False
             if not busy:
                 time.sleep(0.002)
+            if computing:
+                self.status.work(time.monotonic() - t0)
 
     def _step(self) -> bool:
         busy = self._take_inbox()
@@ -282,6 +306,11 @@ class DecodeEngine:
         if now < self._next_step:
             return False
         self._next_step = now + self.args.token_interval_s
+        if self.tp is not None:
+            # The forward is a collective: every rank must join before tokens come out.
+            self._last_sync = now
+            if not self.tp.sync(True):
+                return False
         still = []
         for req in self.running:
             req.tokens += 1
@@ -308,12 +337,16 @@ class DecodeEngine:
             except OSError:
                 pass
         if req.slot is not None:
-            self.pool.free(req.slot)
+            if self.kv_leak:
+                self.leaked_slots += 1  # the slot's KV memory is never given back
+            else:
+                self.pool.free(req.slot)
             req.slot = None
 
     # ---- life cycle ------------------------------------------------------
 
     def start(self) -> dict:
+        self.status.start()
         self.boot.start()
         self.api.serve_in_thread("api-server")
         self._thread.start()
@@ -326,4 +359,7 @@ class DecodeEngine:
         self.api.server_close()
         self._thread.join(2.0)
         self.boot.stop()
+        self.status.stop()
+        if self.tp is not None:
+            self.tp.close()
         self.rec.shutdown(timeout_s=2.0)

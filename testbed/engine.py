@@ -37,6 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--bootstrap-timeout-s", type=float, default=300.0)
     ap.add_argument("--waiting-timeout-s", type=float, default=300.0, help="decode: KV arrival timeout")
     ap.add_argument("--service-name", default="pdwatch-testbed")
+    ap.add_argument("--gpu-uuid", action="append", help="UUID of an emulated GPU this process drives (repeatable)")
+    ap.add_argument("--status-file", help="where to report GPU work and spin shares (testbed.engine_status)")
+    ap.add_argument("--tp-rank", type=int, default=0, help="decode: rank in its TP group (1: the follower)")
+    ap.add_argument("--tp-size", type=int, default=1, help="decode: TP group size (1 or 2)")
+    ap.add_argument("--tp-port", type=int, default=0, help="decode: rank 0's port for the per-step barrier")
     return ap
 
 
@@ -58,11 +63,21 @@ def main(argv: list[str] | None = None) -> int:
 
     threading.Thread(target=watch_parent, name="parent-watch", daemon=True).start()
 
+    if args.tp_size not in (1, 2) or not 0 <= args.tp_rank < args.tp_size:
+        raise SystemExit(f"--tp-size must be 1 or 2 and --tp-rank below it, got {args.tp_size}, {args.tp_rank}")
+    if args.tp_size > 1 and (args.role != "decode" or not args.tp_port):
+        raise SystemExit("a TP group is a decode with --tp-port")
     if args.role == "prefill":
         from .prefill import PrefillEngine as Engine
+    elif args.tp_rank > 0:
+        from .tp import TpFollower as Engine
     else:
         from .decode import DecodeEngine as Engine
     engine = Engine(args)
+    fault = getattr(engine, "fault", None)
+    if fault is not None:
+        # SIGUSR1 injects the engine's fault (a TP follower stops joining steps).
+        signal.signal(signal.SIGUSR1, lambda *_: fault())
     ready = engine.start()
     print(json.dumps({"ready": True, **ready}), flush=True)
     stop.wait()

@@ -11,9 +11,13 @@ to load them.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
+import shutil
 import tempfile
 import threading
+import uuid as uuidlib
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +43,9 @@ class GpuEmulator:
         self._system_errors: dict[str, str] = {}  # init_error / count_error
         self._lock = threading.Lock()
         self._devices: dict[int, dict[str, Any]] = {}
+        self._claimed: set[int] = set()
+        self._deferred = 0  # open batch() blocks: writes wait for the last to close
+        self._dirty = False
         for spec in devices:
             index = int(spec["index"])
             if index in self._devices:
@@ -65,6 +72,61 @@ class GpuEmulator:
         if sorted(self._devices) != list(range(len(self._devices))):
             raise ValueError(f"emulated GPU indices must be 0..{len(self._devices) - 1}, got {sorted(self._devices)}")
         self._write()
+
+    @classmethod
+    def for_demo(cls, directory: str | os.PathLike[str] | None = None, count: int = 8) -> "GpuEmulator":
+        """`count` emulated H200s for a testbed stack (`Stack(gpus=...)` claims one per engine process).
+
+        The state file goes under `directory`, or a temporary directory removed
+        at exit. Raises FileNotFoundError when the stub library is not built
+        (`make nvml-stub`), since nothing could read the file then.
+        """
+        if not STUB_LIBRARY.is_file():
+            raise FileNotFoundError(f"the NVML stub is not built ({STUB_LIBRARY.name}): run make nvml-stub")
+        if count < 1:
+            raise ValueError(f"count must be at least 1, got {count}")
+        if directory is None:
+            directory = tempfile.mkdtemp(prefix="pdwatch-gpus-")
+            atexit.register(shutil.rmtree, directory, True)
+        devices = [{"index": i, "uuid": f"GPU-{uuidlib.uuid4()}"} for i in range(count)]
+        return cls(Path(directory) / "nvml-state", devices)
+
+    @property
+    def count(self) -> int:
+        return len(self._devices)
+
+    def uuid(self, index: int) -> str:
+        return self._device(index)["uuid"]
+
+    def memory_total(self, index: int) -> int:
+        return self._device(index)["memory_total"]
+
+    def claim(self, n: int = 1) -> list[int]:
+        """`n` device indices nobody claimed yet (so stacks sharing one emulator get their own GPUs)."""
+        with self._lock:
+            free = [i for i in sorted(self._devices) if i not in self._claimed][:n]
+            if len(free) < n:
+                raise ValueError(f"{n} more emulated GPU(s) wanted, {len(self._devices) - len(self._claimed)} free "
+                                 f"of {len(self._devices)}")
+            self._claimed.update(free)
+            return free
+
+    def release(self, indices: list[int]) -> None:
+        with self._lock:
+            self._claimed.difference_update(indices)
+
+    @contextlib.contextmanager
+    def batch(self):
+        """Changes made inside reach the file in one write, at the end."""
+        with self._lock:
+            self._deferred += 1
+        try:
+            yield self
+        finally:
+            with self._lock:
+                self._deferred -= 1
+                if not self._deferred and self._dirty:
+                    self._write_locked()
 
     def env(self) -> dict[str, str]:
         """Variables that make a new process's nvidia-ml-py see these GPUs."""
@@ -164,6 +226,10 @@ class GpuEmulator:
             self._write_locked()
 
     def _write_locked(self) -> None:
+        if self._deferred:
+            self._dirty = True
+            return
+        self._dirty = False
         lines = ["# written by testbed/gpu_emulation.py; format in nvml_stub/README.md", f"driver {self._driver}"]
         lines += [f"{key} {code}" for key, code in self._system_errors.items()]
         for index in sorted(self._devices):

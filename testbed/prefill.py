@@ -28,6 +28,7 @@ from engine_patches import recorder as pdrec
 from pdwatch import contract as c
 
 from . import kv
+from .engine_status import StatusWriter
 from .wire import LineServer, WireError, room_of
 
 log = logging.getLogger("testbed.prefill")
@@ -182,7 +183,9 @@ class KVSender:
 class PrefillEngine:
     def __init__(self, args):
         self.args = args
-        self.rec = pdrec.from_env("prefill", service_name=args.service_name, engine_version="testbed")
+        self.rec = pdrec.from_env("prefill", service_name=args.service_name, engine_version="testbed",
+                                  gpu_uuids=tuple(args.gpu_uuid or ()))
+        self.status = StatusWriter(args.status_file)
         self.agent_name = f"{args.instance}-{uuid.uuid4().hex[:8]}"
         self.agent = kv.make_agent(self.agent_name)
         self.pool = kv.SlotPool(self.agent, args.slots, args.slot_bytes)
@@ -308,7 +311,9 @@ class PrefillEngine:
         for req in batch:
             self.rec.enter(req.rid, PREFILL)
         # The forward pass: cost proportional to the prompt tokens of the batch.
-        time.sleep(self.args.forward_s_per_token * sum(r.prompt_tokens for r in batch))
+        forward_s = self.args.forward_s_per_token * sum(r.prompt_tokens for r in batch)
+        time.sleep(forward_s)
+        self.status.work(forward_s)
         for req in batch:
             if req.nbytes > int(req.reg.get("nbytes", 0)):
                 self._finish(req, "failed", f"decode slot of {req.reg.get('nbytes')} bytes < KV {req.nbytes}")
@@ -369,6 +374,7 @@ class PrefillEngine:
     # ---- life cycle ------------------------------------------------------
 
     def start(self) -> dict:
+        self.status.start()
         self.sender.start()
         self.api.serve_in_thread("api-server")
         self.bootstrap_server.serve_in_thread("bootstrap-server")
@@ -383,4 +389,5 @@ class PrefillEngine:
             server.server_close()
         self._thread.join(2.0)
         self.sender.stop()
+        self.status.stop()
         self.rec.shutdown(timeout_s=2.0)

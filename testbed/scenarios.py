@@ -22,6 +22,7 @@ class Params:
     restart_at: float = 8.0
     decode_floor_s: float = 30.0
     token_interval_s: float = 0.05
+    burst_size: int = 40  # requests the `burst` action sends at once
 
 
 def default_shape(params: Params, rng: random.Random, index: int) -> tuple[int, int]:
@@ -40,6 +41,10 @@ class Scenario:
     engine_args: Callable[[Params, str], list[str]] = lambda params, instance: []
     # The router's ground truth should end with requests hung.
     expects_stuck: bool = False
+    # The failure family pdwatch's diagnosis should name (None: no family at all).
+    family: str | None = None
+    # (params) -> {decode instance: TP size}; a size-2 group is two processes with a per-step barrier.
+    tp_groups: Callable[[Params], dict[str, int]] = lambda params: {}
     tags: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -80,4 +85,56 @@ register(Scenario(
     "so every later request routed to decode-0 hangs in transfer on both legs while decode-1 keeps serving",
     actions=lambda params: [(params.restart_at, "restart", "decode-0")],
     expects_stuck=True,
+    family="transfer_wedge",
+))
+register(Scenario(
+    "freeze-decode",
+    "decode-0 is SIGSTOPped at restart_at (continued only when the stack stops): no heartbeats, no progress, "
+    "its requests hang while decode-1 keeps serving",
+    actions=lambda params: [(params.restart_at, "freeze", "decode-0")],
+    expects_stuck=True,
+    family="engine_silent",
+))
+register(Scenario(
+    "tp-desync",
+    "decode-0 is a TP-2 group with a per-step barrier between its two processes; at restart_at rank 1 stops "
+    "joining the step, so rank 0 waits in the collective for good (loop frozen, heartbeats on, its GPU spinning "
+    "at ~100 %) while decode-1 keeps serving",
+    tp_groups=lambda params: {"decode-0": 2},
+    actions=lambda params: [(params.restart_at, "desync", "decode-0")],
+    expects_stuck=True,
+    family="collective_desync",
+))
+def _some_long_shape(params: Params, rng: random.Random, index: int) -> tuple[int, int]:
+    prompt, out = default_shape(params, rng, index)
+    if index % 10 == 0:
+        out = math.ceil(10.0 / params.token_interval_s)  # a ~10 s generation (round robin sends it to decode-0)
+    return prompt, out
+
+
+register(Scenario(
+    "kv-starvation",
+    "decode-0 has 8 KV slots and from restart_at leaks the slot of every request it finishes: its running "
+    "requests (every tenth one a ~10 s generation) keep completing while the pool drains, then new ones wait in "
+    "decode bootstrap for KV memory",
+    shape=_some_long_shape,
+    engine_args=lambda params, instance: ["--slots", "8"] if instance == "decode-0" else [],
+    actions=lambda params: [(params.restart_at, "kv_leak", "decode-0")],
+    expects_stuck=True,
+    family="queue_starvation",
+))
+register(Scenario(
+    "burst",
+    "steady load plus burst_size requests at once at restart_at, with 8 running requests per decode at most: "
+    "they queue for seconds (far past the usual queueing) but under the stuck floor, then drain",
+    engine_args=lambda params, instance: ["--max-running", "8"] if instance.startswith("decode") else [],
+    actions=lambda params: [(params.restart_at, "burst", "router")],
+))
+register(Scenario(
+    "total-wedge",
+    "every decode is restarted alone at restart_at; the prefill's bootstrap state names their old NIXL agents, "
+    "so every later request hangs in transfer and nothing finishes anywhere",
+    actions=lambda params: [(params.restart_at, "restart", "decode-0"), (params.restart_at, "restart", "decode-1")],
+    expects_stuck=True,
+    family="total_wedge",
 ))

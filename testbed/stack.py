@@ -1,6 +1,7 @@
 """The testbed stack: one prefill, two decodes (OS processes over NIXL), router here.
 
     stack = Stack("decode-restart", otlp_endpoint="http://127.0.0.1:4318")
+    stack = Stack("tp-desync", gpus=GpuEmulator.for_demo())  # each engine process drives its own emulated GPU
     stack.start()                 # returns once every engine is ready
     stack.poll_events()           # [{"event": "restart", "instance": "decode-0", "t": ...}, ...]
     stack.truth()                 # the router's ground truth
@@ -12,13 +13,21 @@ from __future__ import annotations
 import atexit
 import logging
 import math
+import random
+import shutil
+import signal
+import tempfile
 import threading
 import time
 import weakref
+from pathlib import Path
 
 from . import scenarios
+from .gpu_emulation import GpuEmulator
+from .gpu_feed import Feed, GpuFeed
 from .processes import EngineProcess, EngineStartError, free_port
 from .router import LoadGenerator, Router, Truth
+from .wire import Conn
 
 log = logging.getLogger("testbed.stack")
 
@@ -50,6 +59,7 @@ class Stack:
         max_requests: int | None = None,
         ready_timeout_s: float = 30.0,
         stop_timeout_s: float = 5.0,
+        gpus: GpuEmulator | None = None,
     ):
         self.scenario = scenarios.get(scenario)
         for name, value in (("heartbeat_s", heartbeat_s), ("rate", rate), ("decode_floor_s", decode_floor_s),
@@ -66,6 +76,11 @@ class Stack:
             raise ValueError(f"otlp_endpoint must be a loopback http URL, got {otlp_endpoint!r}")
         self.params = scenarios.Params(rate=rate, restart_at=restart_at, decode_floor_s=decode_floor_s,
                                        token_interval_s=token_interval_s)
+        self.decode_names = [f"decode-{i}" for i in range(decodes)]
+        self.tp = self.scenario.tp_groups(self.params)  # decode instance -> TP size
+        for name, size in self.tp.items():
+            if name not in self.decode_names or size not in (1, 2):
+                raise ValueError(f"scenario {self.scenario.name!r}: TP group {name}={size} needs a decode and size 1 or 2")
         self.otlp_endpoint = otlp_endpoint
         self.heartbeat_s = heartbeat_s
         self.cluster = cluster
@@ -79,8 +94,12 @@ class Stack:
             horizon = duration_s if duration_s is not None else 3600.0
             max_requests = math.ceil(rate * horizon * 1.5) + 10
         self.max_requests = max_requests
-        self.engines: dict[str, EngineProcess] = {}
-        self.decode_names = [f"decode-{i}" for i in range(decodes)]
+        self.engines: dict[str, EngineProcess] = {}  # by instance; TP rank 1 of X is "X/tp1"
+        self._tp_ports: dict[str, int] = {}
+        self.gpus = gpus
+        self.gpu_of: dict[str, int] = {}  # engine key -> emulated GPU index
+        self._feed: GpuFeed | None = None
+        self._status_dir: Path | None = None
         self.router: Router | None = None
         self.loadgen: LoadGenerator | None = None
         self.started_at: float | None = None
@@ -104,15 +123,33 @@ class Stack:
             "UCX_TLS": "tcp,self,sm",
         }
 
-    def _engine(self, instance: str, role: str, args: list[str]) -> EngineProcess:
-        extra = self.scenario.engine_args(self.params, instance)
-        proc = EngineProcess(instance, role, [*args, *extra], self._engine_env(instance))
-        self.engines[instance] = proc
+    def _engine(self, instance: str, role: str, args: list[str], key: str | None = None) -> EngineProcess:
+        key = key or instance
+        extra = self.scenario.engine_args(self.params, instance) if key == instance else []
+        proc = EngineProcess(instance, role, [*args, *extra, *self._gpu_args(key)], self._engine_env(instance))
+        self.engines[key] = proc
         return proc
 
-    def _decode_args(self, port: int = 0) -> list[str]:
-        return ["--api-port", str(port), "--prefill-bootstrap-port", str(self._bootstrap_port),
+    def _gpu_args(self, key: str) -> list[str]:
+        """The engine's own emulated GPU (claimed once, kept across restarts) and its status file."""
+        if self.gpus is None:
+            return []
+        if key not in self.gpu_of:
+            self.gpu_of[key] = self.gpus.claim(1)[0]
+        return ["--gpu-uuid", self.gpus.uuid(self.gpu_of[key]),
+                "--status-file", str(self._status_path(key))]
+
+    def _status_path(self, key: str) -> Path:
+        if self._status_dir is None:
+            self._status_dir = Path(tempfile.mkdtemp(prefix="pdwatch-testbed-status-"))
+        return self._status_dir / (key.replace("/", "-") + ".json")
+
+    def _decode_args(self, instance: str, port: int = 0) -> list[str]:
+        args = ["--api-port", str(port), "--prefill-bootstrap-port", str(self._bootstrap_port),
                 "--token-interval-s", str(self.params.token_interval_s), "--slots", "64"]
+        if self.tp.get(instance, 1) > 1:
+            args += ["--tp-size", str(self.tp[instance]), "--tp-port", str(self._tp_ports[instance])]
+        return args
 
     def start(self) -> "Stack":
         if self.started_at is not None:
@@ -125,11 +162,23 @@ class Stack:
             self._bootstrap_port = free_port()
             prefill = self._engine("prefill-0", "prefill",
                                    ["--slots", "512", "--bootstrap-port", str(self._bootstrap_port)])
-            decodes = [self._engine(name, "decode", self._decode_args()) for name in self.decode_names]
-            for proc in (prefill, *decodes):
+            for name, size in self.tp.items():
+                if size > 1:
+                    self._tp_ports[name] = free_port()
+            decodes = [self._engine(name, "decode", self._decode_args(name)) for name in self.decode_names]
+            followers = [self._engine(name, "decode", ["--tp-rank", "1", "--tp-size", str(self.tp[name]),
+                                                       "--tp-port", str(port)], key=f"{name}/tp1")
+                         for name, port in self._tp_ports.items()]
+            for proc in (prefill, *decodes, *followers):
                 proc.spawn()
-            for proc in (prefill, *decodes):
+            for proc in (prefill, *decodes, *followers):
                 proc.wait_ready(self.ready_timeout_s, cancel=self._stop)
+            if self.gpus is not None:
+                self._feed = GpuFeed(self.gpus)
+                for key, proc in self.engines.items():
+                    self._feed.add(Feed(self.gpu_of[key], self._status_path(key),
+                                        lambda p=proc: p.pid if p.alive() else None))
+                self._feed.start()
         except BaseException:
             self.stop()
             raise
@@ -164,8 +213,8 @@ class Stack:
     def restart(self, instance: str) -> dict:
         """Kill `instance` (SIGKILL) and start it again alone, on the same port, with a new NIXL agent."""
         proc = self.engines[instance]
-        if proc.role != "decode":
-            raise ValueError("only decode instances are restarted by the testbed")
+        if proc.role != "decode" or self.tp.get(instance, 1) > 1:
+            raise ValueError("only single-process decode instances are restarted by the testbed")
         with self._proc_lock:  # stop() must not miss a process spawned while it runs
             if self._stopped:
                 raise RuntimeError("the stack is stopped")
@@ -175,11 +224,49 @@ class Stack:
             if self.router is not None:
                 self.router.note_restart(instance, t)
             self._event("killed", instance=instance, t=t, agent=old_agent)
-            proc.args = [*self._decode_args(port), *self.scenario.engine_args(self.params, instance)]
+            proc.args = [*self._decode_args(instance, port), *self.scenario.engine_args(self.params, instance),
+                         *self._gpu_args(instance)]
             proc.spawn()
         info = proc.wait_ready(self.ready_timeout_s, cancel=self._stop)
         return self._event("restart", instance=instance, t=t, old_agent=old_agent, new_agent=info.get("agent"),
                            ready_after_s=round(time.time() - t, 3))
+
+    def _action_freeze(self, instance: str) -> None:
+        """SIGSTOP the engine's process group: it keeps its sockets and state but runs nothing,
+        heartbeats included (stop() sends SIGCONT first, so it can still exit cleanly)."""
+        self.engines[instance].signal(signal.SIGSTOP)
+        self._event("frozen", instance=instance)
+
+    def _action_desync(self, instance: str) -> None:
+        """Rank 1 of the instance's TP group stops joining the per-step collective."""
+        key = f"{instance}/tp1"
+        if key not in self.engines:
+            raise ValueError(f"{instance} is not a TP group")
+        self.engines[key].signal(signal.SIGUSR1)
+        self._event("desync", instance=instance)
+
+    def _action_kv_leak(self, instance: str) -> None:
+        """From now on the decode never gives back the KV slot of a request it finishes."""
+        conn = Conn.connect(self.engines[instance].info["api_port"])
+        try:
+            reply = conn.request({"op": "kv_leak"})
+        finally:
+            conn.close()
+        self._event("kv_leak", instance=instance, free_slots=reply.get("free_slots"))
+
+    def _action_burst(self, instance: str) -> None:
+        """`params.burst_size` requests at once on top of the steady load (instance: unused, "router")."""
+        if self.router is None:
+            return
+        rng = random.Random(self.seed + 7919)
+        sent = 0
+        for i in range(self.params.burst_size):
+            if self._stop.is_set():
+                break
+            prompt, out = self.scenario.shape(self.params, rng, -1 - i)
+            if self.router.send(prompt, out) is not None:
+                sent += 1
+        self._event("burst", sent=sent)
 
     # ---- what callers read -----------------------------------------------------
 
@@ -235,6 +322,12 @@ class Stack:
         deadline = time.monotonic() + self.stop_timeout_s
         for proc in self.engines.values():
             proc.finish_stop(deadline)
+        if self._feed is not None:
+            self._feed.stop()
+        if self.gpus is not None:
+            self.gpus.release(list(self.gpu_of.values()))
+        if self._status_dir is not None:
+            shutil.rmtree(self._status_dir, ignore_errors=True)
         _live_stacks.discard(self)
         self._event("stopped")
 

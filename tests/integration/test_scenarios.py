@@ -1,0 +1,111 @@
+"""Every testbed scenario, run for real, gets its failure family from the diagnosis.
+
+One real `pdwatch serve` reads emulated GPUs through the NVML stub and the
+unmodified nvidia-ml-py; each scenario's stack (prefill and decodes over real
+NIXL, each engine process driving its own emulated GPU from its real work)
+exports to it as its own cluster. `/api/v1/diagnosis` must name:
+
+    decode-restart -> transfer_wedge (restart_skew among the findings)
+    freeze-decode  -> engine_silent
+    tp-desync      -> collective_desync
+    kv-starvation  -> queue_starvation
+    total-wedge    -> total_wedge
+    healthy, long-decode, burst -> no family, at every poll of the run
+
+with the GPU figures in the evidence. About 3 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pdwatch.sidecar_process import SidecarProcess
+from testbed import scenarios
+from testbed.diagnosis_run import FLOORS_S, FLOW_WINDOW_S, HEARTBEAT_S, run_scenario, sidecar_env
+from testbed.gpu_emulation import STUB_LIBRARY, GpuEmulator
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(not STUB_LIBRARY.is_file(), reason="NVML stub not built (make nvml-stub)"),
+]
+
+# Families a scenario may show before its own, and why that is right:
+TOLERATED_BEFORE = {
+    # A restarted decode is silent for the second it takes to come back.
+    "decode-restart": {"engine_silent"},
+    # Until the flow window passes, legs finished before the restarts still count as flowing,
+    # so the stuck transfers read as a transfer wedge (with restarts alone) first.
+    "total-wedge": {"transfer_wedge", "restart_skew", "engine_silent"},
+}
+# Seconds from the fault to the expected family: floor + 3 heartbeats + polling slack,
+# and for total-wedge the flow window on top.
+STUCK_BY_S = max(FLOORS_S["bootstrap"], FLOORS_S["transfer"]) + 3 * HEARTBEAT_S + 4.0
+DETECTED_BY_S = {"total-wedge": FLOW_WINDOW_S + STUCK_BY_S, "freeze-decode": 3 * HEARTBEAT_S + 3.0,
+                 "tp-desync": 3 * HEARTBEAT_S + 3.0}
+
+EVIDENCE = {
+    # The brief's inference: the decode's GPU is idle, so it is not a collective.
+    "decode-restart": ("0 % utilization", "160 W of 700 W", "near idle"),
+    "freeze-decode": ("decode decode-0: no heartbeat",),
+    "tp-desync": ("scheduler loop frozen", "100 % utilization", "spin in a collective"),
+    "kv-starvation": ("decode decode-0", "waiting for KV memory"),
+    "total-wedge": ("no leg finished ok anywhere", "idle GPUs", "160 W"),
+}
+
+
+@pytest.fixture(scope="module")
+def sidecar(tmp_path_factory):
+    gpus = GpuEmulator.for_demo(tmp_path_factory.mktemp("gpus"), count=8)
+    with SidecarProcess(env=sidecar_env(gpus)) as sc:
+        yield sc, gpus
+
+
+@pytest.mark.parametrize("name", ["healthy", "long-decode", "burst"])
+def test_healthy_shapes_get_no_family(sidecar, name):
+    sc, gpus = sidecar
+    run = run_scenario(name, sc, gpus)
+    assert run.timeline, "the diagnosis was never polled"
+    named = [(round(t, 1), v["family"], v["evidence"]) for t, v in run.timeline if v["family"] is not None]
+    assert named == [], f"{name} should never be diagnosed"
+    assert run.ok_legs >= 60, f"the testbed should have completed requests ({run.ok_legs} legs ok)"
+    if name == "burst":
+        truth = run.truth
+        burst_at = next(e["t"] for e in run.events if e["event"] == "burst")
+        before = [r.done_at - r.sent_at for r in truth.requests if r.done_at and r.sent_at < burst_at - 0.5]
+        burst = [r.done_at - r.sent_at for r in truth.requests
+                 if r.done_at and burst_at - 0.1 <= r.sent_at <= burst_at + 0.5]
+        assert len(burst) >= 30, "the burst's requests should have completed"
+        # They queued: the slowest took well past anything before the burst, yet nothing was stuck.
+        assert max(burst) > max(before) + 1.0, (max(burst), max(before))
+
+
+@pytest.mark.parametrize("name", ["decode-restart", "freeze-decode", "tp-desync", "kv-starvation", "total-wedge"])
+def test_fault_gets_its_family(sidecar, name):
+    sc, gpus = sidecar
+    expected = scenarios.get(name).family
+    run = run_scenario(name, sc, gpus)
+    assert run.fault_at is not None, f"the fault never happened: {run.events}"
+    assert run.final_family == expected, (run.final, run.families)
+    # Detected in time, and never anything but the expected family once named.
+    assert run.latency_s is not None and run.latency_s <= DETECTED_BY_S.get(name, STUCK_BY_S), run.latency_s
+    first = run.families.index(expected)
+    assert set(run.families[first:]) == {expected}, run.families[first:]
+    others = {f for f in run.families[:first] if f is not None} - TOLERATED_BEFORE.get(name, set())
+    assert not others, f"named {others} before {expected}"
+    final = run.final
+    text = " ".join(final["evidence"])
+    for needle in EVIDENCE[name]:
+        assert needle in text, f"{needle!r} not in the evidence: {final['evidence']}"
+    findings = {f["family"] for f in final["findings"]}
+    if name == "decode-restart":
+        assert "restart_skew" in findings, final["findings"]
+        assert "co-restart the PD pair" in final["action"]
+    if name == "freeze-decode":
+        # Others kept flowing while decode-0 was frozen.
+        assert any(r.decode == "decode-1" and r.outcome == "ok" and r.done_at > run.fault_at
+                   for r in run.truth.requests)
+    if name == "kv-starvation":
+        assert any(r.decode == "decode-0" and r.outcome == "ok" and r.done_at > run.fault_at
+                   for r in run.truth.requests), "decode-0's running requests should have kept finishing"
+    if name == "total-wedge":
+        assert not any(r.outcome == "ok" and r.done_at > run.fault_at + 3.0 for r in run.truth.requests)
