@@ -146,7 +146,20 @@ class Monitoring:
         ], stdout=log, stderr=log, stdin=subprocess.DEVNULL))
         for url in (self.alertmanager_url, self.prometheus_url):
             self._wait_ready(url, timeout_s)
+        self._wait_scraping(timeout_s)
         return self
+
+    def _wait_scraping(self, timeout_s: float) -> None:
+        """Until every sidecar has been scraped once, so nothing that happens next predates the first sample."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if len([r for r in self.query('up{job="pdwatch"} == 1')]) >= len(self.sidecars):
+                    return
+            except (httpx.HTTPError, MonitoringError):
+                pass
+            time.sleep(0.2)
+        raise MonitoringError(f"Prometheus did not scrape {', '.join(self.sidecars)} within {timeout_s:.0f} s")
 
     def _wait_ready(self, url: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -221,7 +221,8 @@ def restart_skew(f: ClusterFacts) -> Finding | None:
     if not evidence:
         return None
     evidence.append(_stuck_sentence(f, ("transfer", "bootstrap")) + " since")
-    return Finding("restart_skew", 0.8, evidence, ACTIONS["restart_skew"])
+    # A likely cause rather than the failure itself: it ranks below the wedge it explains.
+    return Finding("restart_skew", 0.7, evidence, ACTIONS["restart_skew"])
 
 
 RULES = (engine_silent, collective_desync, total_wedge, transfer_wedge, bootstrap_wedge, queue_starvation,
