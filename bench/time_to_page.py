@@ -1,5 +1,9 @@
 """Time to page: from the fault (decode-0 restarted alone) to PDRequestStuckWhileOthersFlow at the webhook.
 
+The fault is the kill; the first request then hangs once the restarted decode
+is back (about a second later), and the floor counts from that leg's entry
+into `transfer`. Both spans are printed; the goal is judged from the hang.
+
 Each run starts a real sidecar, real Prometheus and Alertmanager (the
 repository's rules and routes, see pdwatch/monitoring.py) and the testbed's
 decode-restart incident, then records when the sidecar first reports a stuck
@@ -41,19 +45,23 @@ def one_run(args, seed: int) -> dict:
                       restart_at=5.0, seed=seed)
         try:
             stack.start()
-            fault = detected = None
+            fault = detected = hang = None
             deadline = time.time() + args.timeout_s
             while time.time() < deadline:
                 for e in stack.poll_events():
                     if e["event"] == "killed" and fault is None:
                         fault = e["t"]
-                if fault is not None and detected is None and sc.get("/api/v1/stuck"):
-                    detected = time.time()
+                if fault is not None and detected is None:
+                    stuck = sc.get("/api/v1/stuck")
+                    if stuck:
+                        detected = time.time()
+                        # The floor counts from the stage entry of the first leg that hung.
+                        hang = min(s["stage_since_unix_s"] for s in stuck)
                 pages = mon.webhook.alerts(HEADLINE)
                 if pages:
-                    return {"fault": fault, "detected": detected, "paged": pages[0][0], "mon": mon}
+                    return {"fault": fault, "hang": hang, "detected": detected, "paged": pages[0][0], "mon": mon}
                 time.sleep(0.5)
-            return {"fault": fault, "detected": detected, "paged": None, "mon": mon}
+            return {"fault": fault, "hang": None, "detected": detected, "paged": None, "mon": mon}
         finally:
             stack.stop()
 
@@ -79,9 +87,11 @@ def main() -> None:
             results.append(None)
             continue
         detect = r["detected"] - r["fault"] if r["detected"] else float("nan")
-        page = r["paged"] - r["fault"]
+        from_fault = r["paged"] - r["fault"]
+        page = r["paged"] - r["hang"]
         results.append((detect, page, budget))
-        print(f"run {i + 1}: fault -> stuck reported {detect:5.1f} s, fault -> page {page:5.1f} s "
+        print(f"run {i + 1}: fault -> first leg hangs {r['hang'] - r['fault']:4.1f} s, -> stuck reported "
+              f"{detect:5.1f} s, -> page {from_fault:5.1f} s; hang -> page {page:5.1f} s "
               f"(goal {budget:.0f} s = floor {args.floor_transfer_s:.0f} + for {for_s:.0f} + 2 scrapes "
               f"{2 * mon.scrape_s:.0f}; rule evaluation every {mon.eval_s:.0f} s and group wait "
               f"{mon.group_wait_s:.0f} s come on top): "
@@ -89,11 +99,12 @@ def main() -> None:
     ok = [r for r in results if r is not None]
     if ok:
         pages = [p for _, p, _ in ok]
-        print(f"median fault -> page {statistics.median(pages):.1f} s over {len(ok)} run(s), "
+        print(f"median hang -> page {statistics.median(pages):.1f} s over {len(ok)} run(s), "
               f"worst {max(pages):.1f} s; median fault -> stuck reported "
               f"{statistics.median(d for d, _, _ in ok):.1f} s")
     met = len(ok) == len(results) and all(p <= b for _, p, b in ok)
-    print(f"goal (every page within floor + for + two scrape intervals): {'met' if met else 'NOT met'}")
+    print(f"goal (every page within floor + for + two scrape intervals of the first leg hanging): "
+          f"{'met' if met else 'NOT met'}")
 
 
 if __name__ == "__main__":
