@@ -3,9 +3,7 @@ OTLP/HTTP receiver run by the test, which decodes what arrives."""
 
 from __future__ import annotations
 
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
@@ -18,67 +16,12 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Status
 from pdwatch import contract as c
 from sidecar.forward import SERVICE_NAME, retry_after_s, traces_url
 
+from tests.support.otlp_receiver import OtlpReceiver
+
 from .conftest import free_port
 
 PROTOBUF = {"Content-Type": "application/x-protobuf"}
 FAST = {"backoff_s": 0.02, "max_backoff_s": 0.1, "max_attempts": 3, "timeout_s": 2}
-
-
-class Receiver:
-    """An OTLP/HTTP trace receiver: decodes every POST to /v1/traces; answers from a script, then 200."""
-
-    def __init__(self, script=()):
-        self.script = list(script)  # (status, headers) answered before the first 200
-        self.posts: list[tuple[float, bytes]] = []
-        self.requests: list[ExportTraceServiceRequest] = []
-        self.lock = threading.Lock()
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers.get("content-length", 0)))
-                with outer.lock:
-                    outer.posts.append((time.monotonic(), body))
-                    answer = outer.script.pop(0) if outer.script else None
-                if self.path != "/v1/traces" or self.headers.get("content-type") != "application/x-protobuf":
-                    answer = (400, {})
-                if answer is not None:
-                    self.send_response(answer[0])
-                    for k, v in answer[1].items():
-                        self.send_header(k, v)
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
-                    return
-                with outer.lock:
-                    outer.requests.append(ExportTraceServiceRequest.FromString(body))
-                out = ExportTraceServiceResponse().SerializeToString()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", str(len(out)))
-                self.end_headers()
-                self.wfile.write(out)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def spans(self):
-        """(resource attributes, span) for every span received so far."""
-        out = []
-        with self.lock:
-            for req in self.requests:
-                for rs in req.resource_spans:
-                    res = {kv.key: getattr(kv.value, kv.value.WhichOneof("value")) for kv in rs.resource.attributes}
-                    out.extend((res, s) for ss in rs.scope_spans for s in ss.spans)
-        return out
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture
@@ -86,7 +29,7 @@ def receiver():
     made = []
 
     def make(script=()):
-        r = Receiver(script)
+        r = OtlpReceiver(script)
         made.append(r)
         return r
 

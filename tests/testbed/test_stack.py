@@ -13,7 +13,7 @@ from testbed.engine import BYTES_PER_TOKEN
 from testbed.processes import EngineStartError
 from testbed.stack import Stack
 
-from .otlp_sink import OtlpSink
+from tests.support.otlp_receiver import OtlpReceiver
 
 pytestmark = pytest.mark.integration
 
@@ -37,14 +37,14 @@ def assert_no_process_left(pids):
             os.killpg(pid, 0)  # nothing left in its process group either
 
 
-def legs_by_trace(sink: OtlpSink) -> dict[str, dict[str, object]]:
+def legs_by_trace(sink: OtlpReceiver) -> dict[str, dict[str, object]]:
     out: dict[str, dict] = {}
     for s in sink.named(c.SPAN_LEG):
         out.setdefault(s.trace_id, {})[s.attrs[c.A_ROLE]] = s
     return out
 
 
-def inventory(sink: OtlpSink, instance: str) -> dict[str, str]:
+def inventory(sink: OtlpReceiver, instance: str) -> dict[str, str]:
     hb = sink.last_heartbeat(instance)
     if hb is None:
         return {}
@@ -52,7 +52,7 @@ def inventory(sink: OtlpSink, instance: str) -> dict[str, str]:
 
 
 def test_healthy_moves_and_checks_kv_bytes_and_joins_both_legs_by_traceparent():
-    with OtlpSink() as sink:
+    with OtlpReceiver() as sink:
         stack = Stack("healthy", otlp_endpoint=sink.url, heartbeat_s=0.5, rate=4.0, duration_s=3.0, seed=3,
                       traceparent=True)
         try:
@@ -96,7 +96,7 @@ def test_healthy_moves_and_checks_kv_bytes_and_joins_both_legs_by_traceparent():
 
 
 def test_decode_restart_hangs_exactly_the_restarted_decodes_new_requests():
-    with OtlpSink() as sink:
+    with OtlpReceiver() as sink:
         stack = Stack("decode-restart", otlp_endpoint=sink.url, heartbeat_s=0.5, rate=5.0, restart_at=2.0,
                       duration_s=25.0, seed=5)
         try:
@@ -154,7 +154,7 @@ def test_decode_restart_hangs_exactly_the_restarted_decodes_new_requests():
 
 def test_long_decode_keeps_producing_tokens_past_four_floors():
     floor = 0.5
-    with OtlpSink() as sink:
+    with OtlpReceiver() as sink:
         stack = Stack("long-decode", otlp_endpoint=sink.url, heartbeat_s=0.25, rate=4.0, duration_s=2.0, seed=2,
                       decode_floor_s=floor)
         try:
@@ -187,7 +187,7 @@ def test_start_failure_raises_clearly_and_leaves_no_process():
 def test_cli_runs_a_bounded_scenario_and_reports_what_the_router_saw(capsys):
     from testbed import cli
 
-    with OtlpSink() as sink:
+    with OtlpReceiver() as sink:
         rc = cli.main(["--scenario", "healthy", "--otlp-endpoint", sink.url, "--rate", "4", "--duration-s", "2",
                        "--heartbeat-s", "0.5", "--drain-s", "10"])
     out = capsys.readouterr().out

@@ -12,7 +12,7 @@ from pdwatch import contract as c
 from testbed.gpu_emulation import GpuEmulator
 from testbed.stack import Stack
 
-from .otlp_sink import OtlpSink
+from tests.support.otlp_receiver import OtlpReceiver
 
 pytestmark = pytest.mark.integration
 
@@ -40,7 +40,7 @@ def wait_for(cond, timeout_s: float, what: str):
 
 def test_tp_desync_spins_rank_0_and_freezes_its_loop(tmp_path):
     emu = GpuEmulator(tmp_path / "state", [{"index": i, "uuid": f"GPU-{i:04d}"} for i in range(6)])
-    with OtlpSink() as sink:
+    with OtlpReceiver() as sink:
         stack = Stack("tp-desync", otlp_endpoint=sink.url, heartbeat_s=0.5, rate=4.0, restart_at=2.5,
                       duration_s=12.0, gpus=emu)
         try:
