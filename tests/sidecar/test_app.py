@@ -14,6 +14,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from engine_patches.recorder import Recorder, RecorderConfig
 from pdwatch import contract as c
+from tests.support.waiting import wait_for
 
 CONTRACT_METRICS = [
     "pdwatch_inflight_requests", "pdwatch_stuck_requests", "pdwatch_oldest_stage_age_seconds",
@@ -48,16 +49,6 @@ def send_incident(rec_p, rec_d, n_ok=3, n_hung=2):
         rec.drain()
         rec.heartbeat()
         assert rec.flush()
-
-
-def wait_for(fn, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = fn()
-        if value:
-            return value
-        time.sleep(0.05)
-    return fn()
 
 
 @pytest.mark.parametrize("compression", [Compression.NoCompression, Compression.Gzip])

@@ -18,6 +18,8 @@ from sidecar.forward import SERVICE_NAME, retry_after_s, traces_url
 
 from tests.support.otlp_receiver import OtlpReceiver
 
+from tests.support.waiting import wait_for
+
 from .conftest import free_port
 
 PROTOBUF = {"Content-Type": "application/x-protobuf"}
@@ -36,16 +38,6 @@ def receiver():
     yield make
     for r in made:
         r.close()
-
-
-def wait_for(fn, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = fn()
-        if value:
-            return value
-        time.sleep(0.02)
-    return fn()
 
 
 def metric(url: str, name: str, **labels) -> float:
@@ -179,7 +171,7 @@ def test_receiver_down_ingest_unaffected_and_losses_counted(live_sidecar, engine
     dropped = metric(sc.url, "pdwatch_forward_spans_total", kind="lifecycle", result="dropped")
     assert dropped >= 5
     failed = wait_for(lambda: metric(sc.url, "pdwatch_forward_spans_total", kind="lifecycle", result="failed")
-                      + dropped == sent_spans and metric(sc.url, "pdwatch_forward_queue_depth") == 0, timeout=15)
+                      + dropped == sent_spans and metric(sc.url, "pdwatch_forward_queue_depth") == 0, timeout_s=15)
     assert failed
     assert metric(sc.url, "pdwatch_forward_spans_total", kind="lifecycle", result="sent") == 0
     assert metric(sc.url, "pdwatch_forward_retries_total") >= 1

@@ -14,18 +14,9 @@ from testbed.processes import EngineStartError
 from testbed.stack import Stack
 
 from tests.support.otlp_receiver import OtlpReceiver
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
-
-
-def wait_for(cond, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.1)
-    pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
 def assert_no_process_left(pids):

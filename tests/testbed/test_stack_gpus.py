@@ -13,6 +13,7 @@ from testbed.gpu_emulation import GpuEmulator
 from testbed.stack import Stack
 
 from tests.support.otlp_receiver import OtlpReceiver
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -26,16 +27,6 @@ def devices(emu: GpuEmulator) -> list[dict]:
             key, value = line.split(" ", 1)
             out[-1][key] = value
     return out
-
-
-def wait_for(cond, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.1)
-    pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
 def test_tp_desync_spins_rank_0_and_freezes_its_loop(tmp_path):

@@ -13,19 +13,11 @@ import pytest
 
 from sidecar.gpu import GpuSampler
 
+from tests.support.waiting import wait_for
+
 from .conftest import DRIVER, REPO, UUIDS
 
 GIB = 1 << 30
-
-
-def wait_for(predicate, timeout_s=10.0):
-    """Polls until predicate() is truthy; bounded, returns its last value."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.02)
 
 
 def test_values_follow_the_state_file(gpus, make_sampler):

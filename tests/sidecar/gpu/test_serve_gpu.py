@@ -17,7 +17,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine_patches.recorder import Recorder, RecorderConfig
 
+from tests.support.waiting import wait_for
+
 from .conftest import DRIVER, REPO, UUIDS
+
+
+def wait_for_up(fn, timeout_s=20.0, **kw):
+    # The sidecar process may not be listening yet: connection errors count as 'not yet'.
+    return wait_for(fn, timeout_s, ignore=(httpx.HTTPError,), interval_s=0.1, **kw)
 
 pytestmark = pytest.mark.integration
 
@@ -28,18 +35,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_for(fn, timeout_s=20.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            value = fn()
-        except httpx.HTTPError:
-            value = None
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.1)
 
 
 def gpu_series(url: str) -> dict[str, dict[str, tuple[dict[str, str], float]]]:
@@ -63,7 +58,7 @@ def sidecar(gpus, stub_library, tmp_path):
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        assert wait_for(lambda: httpx.get(f"{url}/healthz", timeout=1).status_code == 200), (tmp_path / "sidecar.log").read_text()
+        assert wait_for_up(lambda: httpx.get(f"{url}/healthz", timeout=1).status_code == 200), (tmp_path / "sidecar.log").read_text()
         yield url
     finally:
         proc.terminate()
@@ -87,7 +82,7 @@ def test_sidecar_samples_and_joins_emulated_gpus(gpus, sidecar):
     gpus.set(1, pids=[DECODE_PID])
     gpus.spin(2)
 
-    health = wait_for(lambda: (h := httpx.get(f"{url}/healthz", timeout=2).json())["gpu_telemetry"]["up"] and h)
+    health = wait_for_up(lambda: (h := httpx.get(f"{url}/healthz", timeout=2).json())["gpu_telemetry"]["up"] and h)
     assert health["gpu_telemetry"] == {"up": True, "reason": None, "devices": 3, "driver": DRIVER}
 
     prefill = engine(url, "prefill", "prefill-0", gpu_uuids=(UUIDS[0],))
@@ -101,7 +96,7 @@ def test_sidecar_samples_and_joins_emulated_gpus(gpus, sidecar):
         info = series.get("pdwatch_gpu_info", {})
         return series if {g: l["joined_by"] for g, (l, _) in info.items()} == {"0": "uuid", "1": "pid", "2": "config"} else None
 
-    series = wait_for(joined)
+    series = wait_for_up(joined)
     assert series, gpu_series(url)
     util = series["pdwatch_gpu_utilization_ratio"]
     assert util["0"] == ({"gpu": "0", "uuid": UUIDS[0], "cluster": "default", "role": "prefill", "pd_instance": "prefill-0"}, 1.0)
@@ -113,7 +108,7 @@ def test_sidecar_samples_and_joins_emulated_gpus(gpus, sidecar):
 
     # The decode's GPU falls off the bus: reported for it, the others go on.
     gpus.set(1, error="GPU_IS_LOST")
-    lost = wait_for(lambda: gpu_series(url).get("pdwatch_gpu_device_errors", {}).get("1"))
+    lost = wait_for_up(lambda: gpu_series(url).get("pdwatch_gpu_device_errors", {}).get("1"))
     assert lost[0] == {"gpu": "1", "uuid": UUIDS[1], "cluster": "default", "role": "decode",
                        "pd_instance": "decode-0", "query": "handle", "error": "gpu_is_lost"}
     after = gpu_series(url)
@@ -125,7 +120,7 @@ def test_sidecar_samples_and_joins_emulated_gpus(gpus, sidecar):
 def test_sidecar_reports_why_gpu_telemetry_is_down(gpus, sidecar):
     # NVML loaded and initialized, then the driver stops answering.
     gpus.set_system(count_error="DRIVER_NOT_LOADED")
-    health = wait_for(lambda: (h := httpx.get(f"{sidecar}/healthz", timeout=2).json()) and not h["gpu_telemetry"]["up"] and h)
+    health = wait_for_up(lambda: (h := httpx.get(f"{sidecar}/healthz", timeout=2).json()) and not h["gpu_telemetry"]["up"] and h)
     assert health["gpu_telemetry"]["reason"] == "NVML device count failed: Driver Not Loaded"
     series = gpu_series(sidecar)
     assert series == {"pdwatch_gpu_telemetry_up": {"": ({}, 0.0)}}
