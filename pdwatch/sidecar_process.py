@@ -6,6 +6,7 @@ Used by the demo and the integration tests, so both exercise the real
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import subprocess
@@ -33,6 +34,7 @@ class SidecarProcess:
     def start(self, timeout_s: float = 30.0) -> "SidecarProcess":
         cmd = [sys.executable, "-m", "pdwatch.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port)]
         self.proc = subprocess.Popen(cmd + self._args, env=self._env, stdin=subprocess.DEVNULL)
+        atexit.register(self.stop)  # a caller that dies on an exception must not leave the sidecar running
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -27,8 +27,6 @@ def test_three_sidecars_one_prometheus_page_and_diagnose_the_incident():
     env = {"PDWATCH_FLOOR_TRANSFER_S": "4", "PDWATCH_LOG_LEVEL": "warning", "PDWATCH_EVALUATE_INTERVAL_S": "0.25",
            "PDWATCH_NVML": "off"}
     sidecars = {node: SidecarProcess(env=env) for node in NODES}
-    for sc in sidecars.values():
-        sc.start()
 
     class PerNodeStack(Stack):
         """Each engine exports to its own node's sidecar, as with a sidecar per node."""
@@ -36,9 +34,12 @@ def test_three_sidecars_one_prometheus_page_and_diagnose_the_incident():
         def _engine_env(self, instance):
             return {**super()._engine_env(instance), "OTEL_EXPORTER_OTLP_ENDPOINT": sidecars[instance].url}
 
-    stack = PerNodeStack("decode-restart", otlp_endpoint=sidecars["prefill-0"].url, heartbeat_s=0.5, rate=3.0,
-                         restart_at=7.0, duration_s=200.0)  # "long after" its peers: over RESTART_SKEW_S
+    stack = None
     try:
+        for sc in sidecars.values():
+            sc.start()
+        stack = PerNodeStack("decode-restart", otlp_endpoint=sidecars["prefill-0"].url, heartbeat_s=0.5, rate=3.0,
+                             restart_at=7.0, duration_s=200.0)  # "long after" its peers: over RESTART_SKEW_S
         with Monitoring([sc.url for sc in sidecars.values()]) as mon:
             stack.start()
             deadline = time.monotonic() + 150
@@ -62,6 +63,7 @@ def test_three_sidecars_one_prometheus_page_and_diagnose_the_incident():
             assert "restart_skew" in [f["family"] for f in v["findings"]], v
             assert {i.pd_instance for i in facts.instances} == set(NODES)
     finally:
-        stack.stop()
-        for sc in sidecars.values():
+        if stack is not None:
+            stack.stop()
+        for sc in sidecars.values():  # also when a start failed: no sidecar outlives the test
             sc.stop()
