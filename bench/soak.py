@@ -37,16 +37,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pdwatch import contract as c  # noqa: E402
 from pdwatch.sidecar_process import SidecarProcess  # noqa: E402
+from sidecar.overload import read_rss_bytes  # noqa: E402
 
 PREFILL = ("bootstrap", "queued", "prefill", "transfer")
 
 
 def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status", "rb") as f:
-        for line in f:
-            if line.startswith(b"VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
+    rss = read_rss_bytes(f"/proc/{pid}/status")  # the reader the sidecar's own memory guard uses
+    if rss is None:
+        raise RuntimeError(f"no VmRSS for pid {pid}")
+    return rss
 
 
 def _kv(key: str, value) -> KeyValue:

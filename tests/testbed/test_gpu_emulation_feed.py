@@ -15,17 +15,9 @@ from testbed.engine_status import STALE_AFTER_S, StatusWriter, read_status
 from testbed.gpu_emulation import STUB_LIBRARY, GpuEmulator
 from testbed.gpu_feed import Feed, GpuFeed
 from testbed.tp import ACK, STEP_BUSY, TpLeader
+from tests.support.nvml_state import state_devices
 
 
-def _devices(emu: GpuEmulator) -> list[dict]:
-    out = []
-    for line in emu.path.read_text().splitlines():
-        if line == "device":
-            out.append({})
-        elif out and " " in line:
-            key, value = line.split(" ", 1)
-            out[-1][key] = value
-    return out
 
 
 def _emulator(tmp_path, n=3) -> GpuEmulator:
@@ -70,16 +62,16 @@ def test_feed_maps_work_spin_and_silence_onto_the_devices(tmp_path):
     for i, pid in enumerate((101, 102, 103)):
         feed.add(Feed(i, paths[i], lambda pid=pid: pid))
     feed.tick()
-    busy, spin, frozen = _devices(emu)
+    busy, spin, frozen = state_devices(emu.path)
     assert busy["utilization_gpu"] == "100" and int(busy["power_mw"]) > 600_000 and busy["pids"] == "101"
     assert spin["utilization_gpu"] == "100" and 250_000 < int(spin["power_mw"]) < 400_000
     assert frozen["utilization_gpu"] == "0" and frozen["power_mw"] == "160000" and frozen["pids"] == "103"
     # A status left by a process that has since been replaced (new PID) is not believed.
     feed.feeds[0].pid = lambda: 999
     feed.tick()
-    assert _devices(emu)[0]["utilization_gpu"] == "0"
+    assert state_devices(emu.path)[0]["utilization_gpu"] == "0"
     feed.stop()
-    assert all(d["utilization_gpu"] == "0" and "pids" not in d for d in _devices(emu))
+    assert all(d["utilization_gpu"] == "0" and "pids" not in d for d in state_devices(emu.path))
 
 
 def test_claims_hand_out_each_device_once(tmp_path):
@@ -98,7 +90,7 @@ def test_batch_writes_once_at_the_end(tmp_path):
         emu.busy(0, 1.0)
         emu.spin(1)
         assert emu.path.stat().st_ino == before  # nothing written yet
-    assert [d["utilization_gpu"] for d in _devices(emu)] == ["100", "100"]
+    assert [d["utilization_gpu"] for d in state_devices(emu.path)] == ["100", "100"]
 
 
 @pytest.mark.skipif(not STUB_LIBRARY.is_file(), reason="NVML stub not built")

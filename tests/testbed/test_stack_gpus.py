@@ -12,21 +12,13 @@ from pdwatch import contract as c
 from testbed.gpu_emulation import GpuEmulator
 from testbed.stack import Stack
 
+from tests.support.nvml_state import state_devices
 from tests.support.otlp_receiver import OtlpReceiver
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
 
-def devices(emu: GpuEmulator) -> list[dict]:
-    out = []
-    for line in emu.path.read_text().splitlines():
-        if line == "device":
-            out.append({})
-        elif out and " " in line:
-            key, value = line.split(" ", 1)
-            out[-1][key] = value
-    return out
 
 
 def test_tp_desync_spins_rank_0_and_freezes_its_loop(tmp_path):
@@ -41,14 +33,14 @@ def test_tp_desync_spins_rank_0_and_freezes_its_loop(tmp_path):
             d0, d0r1 = stack.gpu_of["decode-0"], stack.gpu_of["decode-0/tp1"]
             pids = stack.pids()
             # Before the fault, decode-0 (both ranks) works and its GPUs read busy with its PIDs.
-            wait_for(lambda: int(devices(emu)[d0]["utilization_gpu"]) > 50, 5, "decode-0's GPU busy")
-            assert devices(emu)[d0]["pids"] == str(pids["decode-0"])
-            assert devices(emu)[d0r1]["pids"] == str(pids["decode-0/tp1"])
+            wait_for(lambda: int(state_devices(emu.path)[d0]["utilization_gpu"]) > 50, 5, "decode-0's GPU busy")
+            assert state_devices(emu.path)[d0]["pids"] == str(pids["decode-0"])
+            assert state_devices(emu.path)[d0r1]["pids"] == str(pids["decode-0/tp1"])
             wait_for(lambda: any(e["event"] == "desync" for e in stack.poll_events()), 10, "the desync")
             # Rank 0 spins in the collective (~100 %, moderate power); rank 1 sits idle.
-            wait_for(lambda: devices(emu)[d0]["utilization_gpu"] == "100"
-                     and 250_000 < int(devices(emu)[d0]["power_mw"]) < 400_000, 5, "rank 0 spinning")
-            wait_for(lambda: devices(emu)[d0r1]["utilization_gpu"] == "0", 5, "rank 1 idle")
+            wait_for(lambda: state_devices(emu.path)[d0]["utilization_gpu"] == "100"
+                     and 250_000 < int(state_devices(emu.path)[d0]["power_mw"]) < 400_000, 5, "rank 0 spinning")
+            wait_for(lambda: state_devices(emu.path)[d0r1]["utilization_gpu"] == "0", 5, "rank 1 idle")
             time.sleep(2.0)
             # Both ranks heartbeat; rank 0's loop counter no longer moves.
             beats = [s for s in sink.heartbeats("decode-0") if s.resource.get(c.R_TP_RANK) == 0]
@@ -61,5 +53,5 @@ def test_tp_desync_spins_rank_0_and_freezes_its_loop(tmp_path):
             wait_for(lambda: len(stack.truth().completed) > ok_before, 5, "decode-1 completing")
         finally:
             stack.stop()
-    assert all(d["utilization_gpu"] == "0" and "pids" not in d for d in devices(emu))
+    assert all(d["utilization_gpu"] == "0" and "pids" not in d for d in state_devices(emu.path))
     assert emu.claim(6) == list(range(6))  # released on stop
