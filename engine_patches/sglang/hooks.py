@@ -192,7 +192,8 @@ def on_prefill_bootstrap_add(result, self, req, *args, **kwargs):
         _counted_error()
 
 
-def on_prefill_bootstrapped(result, self, *args, **kwargs):
+def _all_queued(result, self, *args, **kwargs):
+    """AFTER a queue pop that hands its requests to the waiting queue: each enters `queued`."""
     lc = state.lc
     if lc is None or not result:
         return
@@ -201,6 +202,10 @@ def on_prefill_bootstrapped(result, self, *args, **kwargs):
             lc.enter(req.rid, "queued")
     except Exception:
         _counted_error()
+
+
+# Prefill: bootstrapped requests go to the waiting queue.
+on_prefill_bootstrapped = _all_queued
 
 
 def on_prefill_batch_result(original, self, *args, **kwargs):
@@ -294,15 +299,8 @@ def on_decode_transfer_add(result, self, decode_req, *args, **kwargs):
     on_decode_transfer_extend(result, self, (decode_req,))
 
 
-def on_decode_transferred(result, self, *args, **kwargs):
-    lc = state.lc
-    if lc is None or not result:
-        return
-    try:
-        for req in result:
-            lc.enter(req.rid, "queued")
-    except Exception:
-        _counted_error()
+# Decode: requests whose KV arrived go to the waiting queue.
+on_decode_transferred = _all_queued
 
 
 def on_decode_transfer_failure(self, decode_req, *args, **kwargs):
