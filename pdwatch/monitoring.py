@@ -183,10 +183,13 @@ class Monitoring:
             raise MonitoringError(f"query {expr!r}: {body.get('error')}")
         return body["data"]["result"]
 
-    def firing(self) -> list[dict]:
-        """Alerts Prometheus holds as firing now."""
+    def alerts(self, state: str) -> list[dict]:
+        """Alerts Prometheus holds in `state` ("pending" or "firing") now."""
         r = httpx.get(f"{self.prometheus_url}/api/v1/alerts", timeout=10).json()
-        return [a for a in r["data"]["alerts"] if a["state"] == "firing"]
+        return [a for a in r["data"]["alerts"] if a["state"] == state]
+
+    def firing(self) -> list[dict]:
+        return self.alerts("firing")
 
     def stop(self) -> None:
         for p in self.procs:
