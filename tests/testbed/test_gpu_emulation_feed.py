@@ -113,8 +113,9 @@ def test_tp_barrier_waits_for_the_peer_and_counts_the_wait_as_spin():
     def follower():
         assert peer.recv(1) == STEP_BUSY
         time.sleep(0.3)  # late to the collective
-        peer.sendall(ACK)
+        # Marked before sending: once the ACK is out the leader may return before this thread runs again.
         answered.set()
+        peer.sendall(ACK)
 
     t = threading.Thread(target=follower)
     t.start()
