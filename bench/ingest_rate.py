@@ -6,16 +6,25 @@ then measures in one run:
   baseline  `ExportTraceServiceRequest.ParseFromString` plus reading every
             field of every span, in this process, on one core;
   sidecar   the same bodies POSTed to a real `pdwatch serve` (uvicorn, its own
-            process) over loopback with a keep-alive client, one at a time.
+            process) over loopback by keep-alive clients, each sending its next
+            request only when the last is answered.
 Goal: the sidecar sustains at least 0.5x the baseline's spans/s.
 
-    python bench/ingest_rate.py [--requests 120] [--spans-per-request 512]
+The goal is judged with --connections exporters at once (default 2), because
+a sidecar serves several engine processes, each with its own exporter: with
+one connection the sidecar idles while that one client builds its next
+request, which measures the client's latency, not the sidecar's rate. The
+one-connection figure is printed too. Each side runs --repeat times and keeps
+its best; every sidecar run is a fresh process, so no span is a duplicate.
+
+    python bench/ingest_rate.py [--requests 120] [--spans-per-request 512] [--connections 2]
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import threading
 import time
 
 import httpx
@@ -87,31 +96,48 @@ def bare_rate(bodies: list[bytes], spans_total: int, repeat: int) -> float:
     return best
 
 
-def sidecar_rate(bodies: list[bytes], spans_total: int) -> tuple[float, dict]:
+def _post_all(url: str, bodies: list[bytes]) -> None:
+    headers = {"Content-Type": "application/x-protobuf"}
+    with httpx.Client(base_url=url, timeout=30) as client:
+        for body in bodies:
+            client.post("/v1/traces", content=body, headers=headers).raise_for_status()
+
+
+def sidecar_rate(bodies: list[bytes], spans_total: int, connections: int) -> tuple[float, dict]:
+    """spans/s into one fresh sidecar from `connections` clients sending their share of the bodies."""
     with SidecarProcess(env={"PDWATCH_LOG_LEVEL": "warning"}) as sc:
-        headers = {"Content-Type": "application/x-protobuf"}
-        with httpx.Client(base_url=sc.url, timeout=30) as client:
-            client.post("/v1/traces", content=bodies[0], headers=headers).raise_for_status()  # warm-up
-            t = time.perf_counter()
-            for body in bodies:
-                r = client.post("/v1/traces", content=body, headers=headers)
-                r.raise_for_status()
-            elapsed = time.perf_counter() - t
-            metrics = client.get("/metrics").text
+        _post_all(sc.url, bodies[:1])  # warm-up: connection set-up and first-request costs
+        senders = [threading.Thread(target=_post_all, args=(sc.url, bodies[i::connections]))
+                   for i in range(connections)]
+        t = time.perf_counter()
+        for sender in senders:
+            sender.start()
+        for sender in senders:
+            sender.join()
+        elapsed = time.perf_counter() - t
+        metrics = httpx.get(sc.url + "/metrics", timeout=30).text
     seen = {}
     for line in metrics.splitlines():
-        for name in ("pdwatch_spans_received_total", "pdwatch_spans_duplicate_total"):
+        for name in ("pdwatch_spans_received_total", "pdwatch_spans_duplicate_total", "pdwatch_ingest_errors_total"):
             if line.startswith(name + " "):
                 seen[name] = float(line.split()[1])
     return spans_total / elapsed, seen
+
+
+def best_sidecar_rate(bodies: list[bytes], spans_total: int, connections: int, repeat: int) -> tuple[float, dict]:
+    runs = [sidecar_rate(bodies, spans_total, connections) for _ in range(repeat)]
+    return max(runs, key=lambda run: run[0])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=120)
     ap.add_argument("--spans-per-request", type=int, default=512)
-    ap.add_argument("--repeat", type=int, default=3, help="baseline passes; the best is kept")
+    ap.add_argument("--connections", type=int, default=2, help="exporters sending at once (the goal's figure)")
+    ap.add_argument("--repeat", type=int, default=3, help="runs of each side; the best of each is kept")
     args = ap.parse_args()
+    if args.requests < args.connections or args.connections < 1 or args.repeat < 1:
+        ap.error("need --connections >= 1, --repeat >= 1 and at least one request per connection")
     logging.getLogger("opentelemetry").setLevel(logging.CRITICAL)
     bodies, spans_total = build_bodies(args.requests, args.spans_per_request)
     warm = sum(len(ss.spans) for rs in ExportTraceServiceRequest.FromString(bodies[0]).resource_spans
@@ -119,13 +145,17 @@ def main() -> None:
     size = sum(map(len, bodies))
     print(f"{len(bodies)} OTLP/HTTP bodies, {spans_total} spans, {size / len(bodies) / 1024:.0f} KiB each")
     bare = bare_rate(bodies, spans_total, args.repeat)
-    http, seen = sidecar_rate(bodies, spans_total)
-    print(f"baseline: ParseFromString + read every field   {bare:10.0f} spans/s")
-    print(f"sidecar:  POST /v1/traces, tracked and judged   {http:10.0f} spans/s   ({http / bare:.2f}x baseline)")
+    one, _ = best_sidecar_rate(bodies, spans_total, 1, args.repeat)
+    many, seen = best_sidecar_rate(bodies, spans_total, args.connections, args.repeat)
+    print(f"baseline: ParseFromString + read every field      {bare:10.0f} spans/s")
+    print(f"sidecar:  POST /v1/traces, 1 connection            {one:10.0f} spans/s   ({one / bare:.2f}x baseline)")
+    print(f"sidecar:  POST /v1/traces, {args.connections} connections{' ' * (11 - len(str(args.connections)))}"
+          f"{many:10.0f} spans/s   ({many / bare:.2f}x baseline)")
     print(f"sidecar counted {seen.get('pdwatch_spans_received_total', 0):.0f} spans received "
           f"(sent {spans_total} plus {warm} in the warm-up), "
-          f"{seen.get('pdwatch_spans_duplicate_total', 0):.0f} duplicates")
-    print(f"goal (>= 0.5x baseline): {'met' if http / bare >= 0.5 else 'NOT met'}")
+          f"{seen.get('pdwatch_spans_duplicate_total', 0):.0f} duplicates, "
+          f"{seen.get('pdwatch_ingest_errors_total', 0):.0f} ingest errors")
+    print(f"goal (>= 0.5x baseline with {args.connections} connections): {'met' if many / bare >= 0.5 else 'NOT met'}")
 
 
 if __name__ == "__main__":

@@ -68,7 +68,7 @@ class Sidecar:
             clock=clock,
         )
         self.durations = StageDurations(self.tracker.lock)
-        self.tracker.on_stage_duration = self.durations.observe
+        self.tracker.on_stage_durations = self.durations.observe_many
         self.registry.register(self.durations)
         self.registry.register(TrackerCollector(self.tracker, self.durations))
         self.gpu = GpuSampler(settings.gpu_interval_s, settings.nvml, library=settings.extra.get("nvml_library"))
@@ -81,7 +81,10 @@ class Sidecar:
             self.registry.register(ForwardCollector(self.forwarder))
         self.guard = IngestGuard(settings.max_rss_bytes)
         self.registry.register(GuardCollector(self.guard))
-        self.ingest_errors = 0
+
+    @property
+    def ingest_errors(self) -> int:
+        return self.guard.errors
 
     def diagnosis(self) -> list[dict]:
         return [verdict(facts) for facts in gather_facts(self)]
@@ -98,7 +101,8 @@ class Sidecar:
             ]
 
 
-def authorized(request: Request) -> None:
+async def authorized(request: Request) -> None:
+    # async: a plain def dependency would hop to the thread pool on every request, ingest included.
     token = request.app.state.sidecar.settings.token
     if not token:
         return
@@ -173,7 +177,7 @@ def create_app(settings: Settings | None = None, *, clock=time.time_ns, sidecar:
             try:
                 rejected, messages = sc.tracker.ingest(otlp)
             except Exception:  # a bug here must not become a 500 that makes exporters retry forever
-                sc.ingest_errors += 1
+                sc.guard.errors += 1
                 log.exception("ingest failed")
                 raise BodyError(400, "spans could not be applied") from None
             if sc.forwarder is not None:

@@ -58,6 +58,23 @@ class StageDurations:
         series[1][i] = (trace_id, seconds, self.clock())
         series[2] += seconds
 
+    def observe_many(self, cluster: str, role: str, stage: str, seconds: list[float], trace_ids: list[str]) -> None:
+        """One batch's durations of one stage; each bucket keeps the batch's last trace id as its exemplar."""
+        key = (cluster, role, stage)
+        series = self._series.get(key)
+        if series is None:
+            if len(self._series) >= self.max_label_sets:
+                self.refused += 1
+                return
+            n = len(self.bounds) + 1
+            series = self._series[key] = [[0] * n, [None] * n, 0.0]
+        counts, exemplars, bounds, at = series[0], series[1], self.bounds, self.clock()
+        for value, trace_id in zip(seconds, trace_ids):
+            i = bisect.bisect_left(bounds, value)
+            counts[i] += 1
+            exemplars[i] = (trace_id, value, at)
+        series[2] += sum(seconds)
+
     def describe(self):
         return []
 

@@ -41,6 +41,7 @@ class IngestGuard:
         self.monotonic = monotonic
         self.in_flight = 0
         self.refused = {"busy": 0, "memory": 0}
+        self.errors = 0  # requests whose spans raised something other than a rejection: a pdwatch bug
         self.rss: int | None = None
         self._rss_at = -1e18
 
@@ -78,6 +79,11 @@ class GuardCollector:
         for reason, n in g.refused.items():
             refused.add_metric([reason], n)
         yield refused
+        errors = CounterMetricFamily("pdwatch_ingest_errors",
+                                     "OTLP requests answered 400 because applying their spans raised an "
+                                     "unexpected error (a pdwatch bug; the log has the traceback).")
+        errors.add_metric([], g.errors)
+        yield errors
         rss = read_rss_bytes(g.status_path)
         if rss is not None:
             gauge = GaugeMetricFamily("pdwatch_sidecar_resident_memory_bytes",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import sys
 
@@ -17,6 +18,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_arguments(parser)
     return parser
+
+
+# Allocations between young-generation collections (CPython's default is 700).
+GC_YOUNG_THRESHOLD = 50_000
+
+
+def tune_gc() -> None:
+    """Make the cyclic GC cheap for a process that holds up to hundreds of thousands of legs.
+
+    At the default threshold a collection runs every few dozen spans, and the
+    older generations, full of long-lived legs, get walked again and again: that
+    cost a fifth of ingest. Ingest makes almost no reference cycles (refcounting
+    frees a closed leg), so collecting less often costs little memory. Objects
+    alive after start-up (FastAPI, protobuf, prometheus_client) are frozen out of
+    every collection.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, 20, 20)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     log.info("starting with %r", settings)
     if settings.nvml == "off":
         log.info("GPU telemetry off (PDWATCH_NVML=off)")
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
+    app = create_app(settings)
+    tune_gc()
+    uvicorn.run(app, host=settings.host, port=settings.port,
                 log_level=settings.log_level, access_log=False)
     return 0
 

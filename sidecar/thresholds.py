@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from itertools import repeat
 
 WINDOW_S = 600.0
 MAX_SAMPLES = 1000
@@ -38,6 +39,17 @@ class StageThresholds:
                 return
             window = self._samples[key] = deque(maxlen=self.max_samples)
         window.append((now_ns, seconds))
+        self._p99_cache.pop(key, None)
+
+    def observe_many(self, key: tuple[str, str, str], seconds: list[float], now_ns: int) -> None:
+        """Several durations observed at one moment (one OTLP batch); each must be finite and >= 0."""
+        window = self._samples.get(key)
+        if window is None:
+            if len(self._samples) >= self.max_keys:
+                self.keys_refused += 1
+                return
+            window = self._samples[key] = deque(maxlen=self.max_samples)
+        window.extend(zip(repeat(now_ns), seconds))
         self._p99_cache.pop(key, None)
 
     def p99(self, key: tuple[str, str, str], now_ns: int) -> float | None:

@@ -21,8 +21,8 @@ from pdwatch import contract as c
 
 from .model import Cluster, Evaluation, Incarnation, Instance, Leg, StuckLeg, record_stage
 from .spans import (
-    ZERO8, ZERO16, KIND_HEARTBEAT, REASONS, STAGE_SPANS, Rejection, Source, SpanIn, check_ids, finite,
-    iter_batches, read_span, room_of,
+    ZERO8, ZERO16, REASONS, STAGE_SPANS, Rejection, Source, SpanIn, attributes, check_ids, finite, iter_batches,
+    read_span, room_of,
 )
 from .thresholds import StageThresholds
 
@@ -55,7 +55,7 @@ class Tracker:
         max_instances: int = 1024,
         instance_ttl_s: float = 3600.0,
         clock: Callable[[], int] = time.time_ns,
-        on_stage_duration: Callable[[str, str, str, float, str], None] | None = None,
+        on_stage_durations: Callable[[str, str, str, list, list], None] | None = None,
         on_stuck: Callable[[Leg, float, float, int], None] | None = None,
     ):
         self.thresholds = StageThresholds(floors or c.DEFAULT_FLOORS_S)
@@ -65,7 +65,7 @@ class Tracker:
         self.max_instances = max_instances
         self.instance_ttl_ns = int(instance_ttl_s * 1e9)
         self.clock = clock
-        self.on_stage_duration = on_stage_duration
+        self.on_stage_durations = on_stage_durations
         self.on_stuck = on_stuck
         self.lock = threading.RLock()
         self.open: dict[tuple[str, str], Leg] = {}
@@ -105,23 +105,38 @@ class Tracker:
                     self.rejected[rej.reason] += len(spans)
                     messages.append(rej.message)
                     continue
-                for proto in spans:
-                    try:
-                        stage = STAGE_SPANS.get(proto.name)
-                        if stage is not None:
-                            self._stage(source, inc, proto, stage, now)
-                            continue
-                        span = read_span(proto)
-                        if span.kind == KIND_HEARTBEAT:
-                            self._heartbeat(source, inc, span, now)
-                        else:
-                            self._leg_span(source, inc, span, now)
-                    except Rejection as rej:
-                        rejected += 1
-                        self.rejected[rej.reason] += 1
-                        if len(messages) < 8:
-                            messages.append(rej.message)
+                durations = {stage: ([], []) for stage in c.STAGES[source.role]}
+                try:
+                    for proto in spans:
+                        try:
+                            stage = STAGE_SPANS.get(proto.name)
+                            if stage is not None:
+                                self._stage(source, inc, proto, stage, now, durations)
+                                continue
+                            if proto.name == c.SPAN_LEG:
+                                self._leg_span(source, inc, proto, now)
+                            else:
+                                self._heartbeat(source, inc, read_span(proto), now)
+                        except Rejection as rej:
+                            rejected += 1
+                            self.rejected[rej.reason] += 1
+                            if len(messages) < 8:
+                                messages.append(rej.message)
+                finally:
+                    self._observe(source, durations, now)
         return rejected, messages
+
+    def _observe(self, src: Source, durations: dict, now: int) -> None:
+        """Hand one batch's stage durations to the thresholds and the histogram, a stage at a time.
+
+        Batched because two calls per span cost as much as the rest of a stage span.
+        """
+        for stage, (seconds, trace_ids) in durations.items():
+            if not seconds:
+                continue
+            self.thresholds.observe_many((src.cluster, src.role, stage), seconds, now)
+            if self.on_stage_durations is not None:
+                self.on_stage_durations(src.cluster, src.role, stage, seconds, trace_ids)
 
     def _seen(self, span_id: bytes) -> bool:
         """True if this span was applied before (replays and retries change nothing twice).
@@ -213,7 +228,9 @@ class Tracker:
             return
         fkey = (leg.cluster, leg.role, leg.pd_instance, outcome)
         self.finished[fkey] = self.finished.get(fkey, 0) + 1
-        cluster = self.clusters.setdefault(leg.cluster, Cluster(leg.cluster))
+        cluster = self.clusters.get(leg.cluster)
+        if cluster is None:
+            cluster = self.clusters[leg.cluster] = Cluster(leg.cluster)
         ckey = (leg.role, outcome)
         cluster.finished[ckey] = cluster.finished.get(ckey, 0) + 1
         if outcome == "ok":
@@ -222,18 +239,26 @@ class Tracker:
             if inst is not None:
                 inst.ok_times_ns.append(now)
 
-    def _leg_span(self, src: Source, inc: Incarnation, span: SpanIn, now: int) -> None:
-        attrs = span.attrs
+    def _leg_span(self, src: Source, inc: Incarnation, span, now: int) -> None:
+        """A leg ended: one per leg, read off the protobuf like a stage span (ids stay bytes until needed)."""
+        tid, sid, parent = span.trace_id, span.span_id, span.parent_span_id
+        if len(tid) != 16 or tid == ZERO16 or len(sid) != 8 or sid == ZERO8 or (parent and len(parent) != 8):
+            check_ids(span)
+        start, end = span.start_time_unix_nano, span.end_time_unix_nano
+        if end < start:
+            raise Rejection("bad_value", f"{c.SPAN_LEG}: ends before it starts")
+        attrs = attributes(span.attributes)
         role = attrs.get(c.A_ROLE) or src.role
         outcome = attrs.get(c.A_OUTCOME)
         if outcome is None:
             raise Rejection("missing_attribute", f"pd.request without {c.A_OUTCOME}")
         if role not in c.ROLES or outcome not in c.OUTCOMES:
             raise Rejection("bad_value", f"pd.request with role {role!r}, outcome {outcome!r}")
-        if self._seen(bytes.fromhex(span.span_id)):
+        if self._seen(sid):
             self.duplicates += 1
             return
-        key = (span.trace_id, role)
+        trace_id = tid.hex()
+        key = (trace_id, role)
         leg = self.open.pop(key, None)
         if leg is None:
             leg = self.closed.get(key)
@@ -241,14 +266,14 @@ class Tracker:
                 self.duplicates += 1  # this leg already ended (same leg, resent with a new id)
                 return
             if leg is None:
-                leg = Leg(trace_id=span.trace_id, role=role, cluster=src.cluster, pd_instance=src.pd_instance, inc=inc)
+                leg = Leg(trace_id=trace_id, role=role, cluster=src.cluster, pd_instance=src.pd_instance, inc=inc)
         self._fill(leg, attrs)
-        leg.span_id = span.span_id
-        leg.arrive_ns = span.start_ns
+        leg.span_id = sid.hex()
+        leg.arrive_ns = start
         tokens = attrs.get(c.A_OUTPUT_TOKENS)
         if isinstance(tokens, int) and not isinstance(tokens, bool):
             leg.tokens = max(leg.tokens, tokens)
-        self._close(leg, outcome, span.end_ns, now)
+        self._close(leg, outcome, end, now)
 
     @staticmethod
     def _fill(leg: Leg, attrs: dict) -> None:
@@ -262,7 +287,7 @@ class Tracker:
         if isinstance(peer, str) and peer:
             leg.peer = peer
 
-    def _stage(self, src: Source, inc: Incarnation, span, stage: str, now: int) -> None:
+    def _stage(self, src: Source, inc: Incarnation, span, stage: str, now: int, durations: dict) -> None:
         """A finished stage: the bulk of all spans, so read straight off the protobuf.
 
         Reading a protobuf field costs more than most of the rule below, so each
@@ -298,10 +323,9 @@ class Tracker:
             if leg is not None:
                 leg.room = room_of(span)
         if error is None:
-            seconds = (end - start) / 1e9
-            self.thresholds.observe((src.cluster, role, stage), seconds, now)
-            if self.on_stage_duration is not None:
-                self.on_stage_duration(src.cluster, role, stage, seconds, trace_id)
+            batch = durations[stage]
+            batch[0].append((end - start) / 1e9)
+            batch[1].append(trace_id)
         if leg is None:
             return
         if leg.span_id is None and parent:

@@ -157,3 +157,19 @@ def test_bad_overload_settings_stop_the_start(name, value):
 
     with pytest.raises(ValueError, match=name):
         Settings.from_sources({}, {name: value})
+
+
+def test_a_bug_while_applying_spans_answers_400_and_is_counted(live_sidecar, engines, clock, monkeypatch):
+    sc = live_sidecar(clock=clock)
+
+    def broken(request):
+        raise KeyError("a pdwatch bug")
+
+    monkeypatch.setattr(sc.sidecar.tracker, "ingest", broken)
+    p = engines("prefill", "prefill-0")
+    p.walk("p-1", 1, ("bootstrap",))
+    r = httpx.post(f"{sc.url}/v1/traces", content=p.request().SerializeToString(), headers=PB)
+    # 400, not 500: OTLP exporters retry a 5xx, and the same body would fail the same way forever.
+    assert r.status_code == 400 and "could not be applied" in r.json()["detail"]
+    assert metric(httpx.get(f"{sc.url}/metrics").text, "pdwatch_ingest_errors_total") == 1
+    assert sc.sidecar.ingest_errors == 1

@@ -195,3 +195,18 @@ def test_token_guards_ingest_and_api_but_not_metrics_or_health(live_sidecar):
     assert "s3cret" not in repr(sc.sidecar.settings)
     good.shutdown(1)
     bad.shutdown(1)
+
+
+def test_serve_tunes_the_cyclic_gc_for_many_long_lived_legs():
+    import gc
+
+    from sidecar.server import GC_YOUNG_THRESHOLD, tune_gc
+
+    before = gc.get_threshold()
+    try:
+        tune_gc()
+        assert gc.get_threshold()[0] == GC_YOUNG_THRESHOLD > before[0]
+        assert gc.get_freeze_count() > 0  # start-up objects are out of every collection
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
