@@ -27,6 +27,9 @@ from .spans import (
 from .thresholds import StageThresholds
 
 _STAGE_INDEX = {role: {s: i for i, s in enumerate(stages)} for role, stages in c.STAGES.items()}
+# role -> stage -> (its place in the role's order, the stage that follows it or None)
+_STEPS = {role: {s: (i, stages[i + 1] if i + 1 < len(stages) else None) for i, s in enumerate(stages)}
+          for role, stages in c.STAGES.items()}
 _SEEN_SPANS_MAX = 100_000
 _STATUS_ERROR = Status.STATUS_CODE_ERROR
 _RESTART_TIMES_MAX = 32
@@ -302,9 +305,8 @@ class Tracker:
         if end < start:
             raise Rejection("bad_value", f"pd.{stage}: ends before it starts")
         role = src.role
-        order = _STAGE_INDEX[role]
-        here = order.get(stage)
-        if here is None:
+        step = _STEPS[role].get(stage)
+        if step is None:
             raise Rejection("bad_value", f"stage {stage!r} is not a stage of role {role!r}")
         seen = self._seen_spans
         if sid in seen:
@@ -330,18 +332,18 @@ class Tracker:
             return
         if leg.span_id is None and parent:
             leg.span_id = parent.hex()
+        here, following = step
         record_stage(leg, stage, start, end, error)
         if leg.end_ns is not None:
             return  # closed already: history only
         # The end of one stage is the start of the next: move an open leg on
         # unless a newer heartbeat already put it further along.
-        if leg.stage is not None and order.get(leg.stage, -1) > here:
+        if leg.stage is not None and _STAGE_INDEX[role].get(leg.stage, -1) > here:
             return
-        stages = c.STAGES[role]
-        if error is not None or here + 1 >= len(stages):
+        if error is not None or following is None:
             leg.stage, leg.stage_since_ns, leg.stage_done = stage, start, True
         else:
-            leg.stage, leg.stage_since_ns, leg.progress_ns = stages[here + 1], end, end
+            leg.stage, leg.stage_since_ns, leg.progress_ns = following, end, end
             leg.stuck_at_ns = None
 
     # ---- heartbeats ----------------------------------------------------------
