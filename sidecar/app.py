@@ -24,7 +24,7 @@ from .gpu.collector import GpuCollector
 from .gpu.join import InstanceClaim, Owner, parse_gpu_map
 from .gpu.sampler import GpuSampler
 from .metrics import StageDurations, TrackerCollector
-from .otlp_body import BodyError, decompress, media_type, parse_request, response_body
+from .otlp_body import PROTOBUF, BodyError, decompress, media_type, parse_request, response_body
 from .overload import RETRY_AFTER_S, GuardCollector, IngestGuard
 from .settings import Settings
 from .tracker import Tracker
@@ -175,15 +175,16 @@ def create_app(settings: Settings | None = None, *, clock=time.time_ns, sidecar:
             body = decompress(b"".join(chunks), request.headers.get("content-encoding"), limit)
             otlp = parse_request(body, media)
             try:
-                rejected, messages = sc.tracker.ingest(otlp)
+                applied = sc.tracker.ingest(otlp)
             except Exception:  # a bug here must not become a 500 that makes exporters retry forever
                 sc.guard.errors += 1
                 log.exception("ingest failed")
                 raise BodyError(400, "spans could not be applied") from None
             if sc.forwarder is not None:
-                sc.forwarder.submit(otlp)  # a bounded append; the worker thread sends
-            message = "; ".join(dict.fromkeys(messages))[:1024] if rejected else ""
-            return Response(response_body(rejected, message, media), media_type=media)
+                # A bounded append; the worker thread sends. Nothing to drop: the body goes as it came.
+                sc.forwarder.submit(otlp, raw=body if media == PROTOBUF and not applied.other else None)
+            message = "; ".join(dict.fromkeys(applied.messages))[:1024] if applied.rejected else ""
+            return Response(response_body(applied.rejected, message, media), media_type=media)
         except BodyError as err:
             return JSONResponse({"detail": err.message}, status_code=err.status)
         finally:

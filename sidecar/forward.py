@@ -4,7 +4,8 @@ span per leg that becomes stuck (contract section 10).
 Ingest must never wait on the trace store, so the two entry points only
 append to bounded deques under a short lock:
 
-  submit(request)   from the ingest handler, after the tracker applied it;
+  submit(request)   from the ingest handler, after the tracker applied it
+                    (with its raw body when it holds lifecycle spans only);
   on_stuck(...)     the tracker's callback, called under the tracker lock.
 
 A worker thread drains both, drops heartbeats, batches, and POSTs OTLP/HTTP
@@ -209,14 +210,18 @@ class Forwarder:
 
     # ---- hot paths: append and return --------------------------------------
 
-    def submit(self, request: ExportTraceServiceRequest) -> None:
-        """Queue a parsed OTLP request (heartbeats are removed later, on the worker)."""
+    def submit(self, request: ExportTraceServiceRequest, raw: bytes | None = None) -> None:
+        """Queue a parsed OTLP request (heartbeats are removed later, on the worker).
+
+        `raw` is the request's protobuf body when it holds lifecycle spans only:
+        then it is forwarded as it came, with no filtering or re-encoding.
+        """
         n = _count_spans(request)
         if not n:
             return
         with self._lock:
             if self._queued_spans + n <= self.max_queue_spans:
-                self._requests.append((request, n))
+                self._requests.append((request if raw is None else raw, n))
                 self._queued_spans += n
                 self._wake.set()
                 return
@@ -263,14 +268,14 @@ class Forwarder:
 
     # ---- worker --------------------------------------------------------------
 
-    def _take(self) -> tuple[list[StuckEvent], list[ExportTraceServiceRequest]]:
+    def _take(self) -> tuple[list[StuckEvent], list[tuple[ExportTraceServiceRequest | bytes, int]]]:
         with self._lock:
             stuck = list(self._stuck)
             self._stuck.clear()
             batch, n = [], 0
             while self._requests and (not batch or n + self._requests[0][1] <= self.max_batch_spans):
                 req, k = self._requests.popleft()
-                batch.append(req)
+                batch.append((req, k))
                 n += k
                 self._queued_spans -= k
             if not self._requests and not self._stuck:
@@ -320,7 +325,11 @@ class Forwarder:
                 resource_spans=stuck_resource_spans(stuck, lambda cl: self._family(cl, cache)))
             parts.append(out.SerializeToString())
             n_stuck = len(stuck)
-        for req in batch:
+        for req, n in batch:
+            if isinstance(req, bytes):  # lifecycle spans only, as received
+                n_life += n
+                parts.append(req)
+                continue
             kept = keep_lifecycle(req)
             if kept:
                 n_life += kept

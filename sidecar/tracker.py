@@ -12,7 +12,7 @@ import math
 import threading
 import time
 from collections import OrderedDict
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1.trace_pb2 import Status
@@ -45,6 +45,14 @@ def _is_hex(value, length: int) -> bool:
     except ValueError:
         return False
     return value == value.lower()
+
+
+class Applied(NamedTuple):
+    """What one OTLP request did to the tracker."""
+
+    rejected: int  # spans not applied (partial_success.rejected_spans)
+    messages: list[str]  # a few of the reasons, for partial_success.error_message
+    other: int  # spans that are not stage or leg spans: heartbeats, unknown names, refused resources
 
 
 class Tracker:
@@ -89,15 +97,16 @@ class Tracker:
 
     # ---- ingest ------------------------------------------------------------
 
-    def ingest(self, request: ExportTraceServiceRequest) -> tuple[int, list[str]]:
-        """Apply one OTLP request; returns (spans rejected, a few of the reasons as text)."""
-        rejected, messages = 0, []
+    def ingest(self, request: ExportTraceServiceRequest) -> Applied:
+        """Apply one OTLP request: what was rejected and why, and how many spans were not lifecycle spans."""
+        rejected, messages, other = 0, [], 0
         with self.lock:
             now = self.clock()
             for source, spans in iter_batches(request):
                 self.spans_received += len(spans)
                 if isinstance(source, Rejection):
                     rejected += len(spans)
+                    other += len(spans)
                     self.rejected[source.reason] += len(spans)
                     messages.append(source.message)
                     continue
@@ -105,6 +114,7 @@ class Tracker:
                     inc = self._incarnation(source, now)
                 except Rejection as rej:
                     rejected += len(spans)
+                    other += len(spans)
                     self.rejected[rej.reason] += len(spans)
                     messages.append(rej.message)
                     continue
@@ -119,6 +129,7 @@ class Tracker:
                             if proto.name == c.SPAN_LEG:
                                 self._leg_span(source, inc, proto, now)
                             else:
+                                other += 1
                                 self._heartbeat(source, inc, read_span(proto), now)
                         except Rejection as rej:
                             rejected += 1
@@ -127,7 +138,7 @@ class Tracker:
                                 messages.append(rej.message)
                 finally:
                     self._observe(source, durations, now)
-        return rejected, messages
+        return Applied(rejected, messages, other)
 
     def _observe(self, src: Source, durations: dict, now: int) -> None:
         """Hand one batch's stage durations to the thresholds and the histogram, a stage at a time.

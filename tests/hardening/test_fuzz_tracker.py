@@ -117,7 +117,7 @@ def test_any_request_leaves_the_tracker_consistent_and_a_replay_changes_nothing(
     tracker = Tracker(FLOORS, clock=clock, max_open_legs=6, max_closed_legs=4, max_instances=3)
     for req in batch:
         parsed = parse_request(req.SerializeToString(), PROTOBUF)
-        rejected, messages = tracker.ingest(parsed)
+        rejected, messages, _ = tracker.ingest(parsed)
         assert 0 <= rejected <= sum(len(ss.spans) for rs in parsed.resource_spans for ss in rs.scope_spans)
         assert all(isinstance(m, str) for m in messages)
         check_invariants(tracker)

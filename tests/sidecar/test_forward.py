@@ -90,6 +90,24 @@ def test_lifecycle_spans_arrive_unchanged_and_heartbeats_stay_home(live_sidecar,
     assert metric(sc.url, "pdwatch_forward_queue_depth") == 0
 
 
+def test_a_request_of_lifecycle_spans_only_is_forwarded_as_it_came(live_sidecar, receiver, engines, clock):
+    rcv = receiver()
+    sc = live_sidecar(clock=clock, forward_otlp_endpoint=rcv.url, extra={"forward": FAST})
+    p = engines("prefill", "prefill-0")
+    p.walk("p-1", 1, ("bootstrap", "queued", "prefill", "transfer"))
+    p.rec.finish("p-1")
+    body = p.request(heartbeat=False).SerializeToString()
+    sent = all_spans(ExportTraceServiceRequest.FromString(body))
+    assert sent and all(s.name != c.SPAN_HEARTBEAT for s in sent)
+    assert httpx.post(f"{sc.url}/v1/traces", content=body, headers=PROTOBUF).status_code == 200
+    got = wait_for(lambda: len(rcv.spans()) >= len(sent) and rcv.spans())
+    assert sorted(s.span_id for _, s in got) == sorted(s.span_id for s in sent)
+    # Not decoded and re-encoded on the way: the engine's bytes are inside what the store got.
+    assert any(body in post for _, post in rcv.posts)
+    assert wait_for(lambda: metric(sc.url, "pdwatch_forward_spans_total", kind="lifecycle", result="sent")) \
+        == len(sent)
+
+
 def test_a_leg_that_becomes_stuck_sends_one_pd_stuck_span(live_sidecar, receiver, engines, clock):
     rcv = receiver()
     sc = live_sidecar(clock=clock, floor_transfer_s=15, forward_otlp_endpoint=rcv.url, extra={"forward": FAST})

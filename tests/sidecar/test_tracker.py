@@ -60,6 +60,15 @@ def test_a_decode_that_keeps_producing_tokens_is_never_stuck(tracker, engines, c
     assert stuck_keys(tracker) == {(tid(1), "decode", "decode")}
 
 
+def test_ingest_counts_the_spans_that_are_not_lifecycle_spans(tracker, engines, clock):
+    p = engines("prefill", "prefill-0")
+    p.walk("p-1", 1, PREFILL_TO_TRANSFER)
+    assert p.send(tracker, heartbeat=False) == (0, [], 0)  # stage spans only: forwardable as they came
+    p.walk("p-2", 2, ("bootstrap",))
+    applied = p.send(tracker, heartbeat=True)
+    assert applied.rejected == 0 and applied.other == 1  # the heartbeat
+
+
 def test_threshold_adapts_to_three_times_the_p99(tracker, engines, clock):
     p = engines("prefill", "prefill-0")
     for i in range(200):  # transfers in this cluster normally take 10 s
@@ -94,8 +103,8 @@ def test_duplicate_and_replayed_spans_change_nothing_twice(tracker, engines, clo
     clock.advance(1)
     p.rec.finish("p-1")
     request = p.request(heartbeat=True)
-    assert tracker.ingest(request) == (0, [])
-    assert tracker.ingest(request) == (0, [])  # an exporter retry
+    assert tracker.ingest(request) == (0, [], 1)
+    assert tracker.ingest(request) == (0, [], 1)  # an exporter retry
     assert tracker.finished == {("default", "prefill", "prefill-0", "ok"): 1}
     assert tracker.heartbeats_received == 1
     assert tracker.duplicates == 6  # 4 stage spans, 1 leg span, 1 heartbeat
@@ -183,7 +192,7 @@ def test_an_instance_restart_ends_the_old_open_legs_as_lost(tracker, engines, cl
     assert stuck_keys(tracker) == set()
     # The old process's last words arrive late: refused, nothing changes.
     old.rec.enter("d-1", "queued")
-    rejected, messages = old.send(tracker)
+    rejected, messages, _ = old.send(tracker)
     assert rejected == 2 and tracker.rejected["stale_incarnation"] == 2
     assert tracker.open == {}
 
@@ -267,7 +276,7 @@ def test_unusable_spans_are_rejected_by_reason_and_change_nothing(tracker):
     ]
     for resource, span, reason in cases:
         before = dict(tracker.rejected)
-        rejected, messages = tracker.ingest(_request_from(resource, [span]))
+        rejected, messages, _ = tracker.ingest(_request_from(resource, [span]))
         assert rejected == 1 and messages, (span["name"], reason)
         assert tracker.rejected[reason] == before[reason] + 1, (span, reason)
     assert tracker.open == {}
