@@ -136,7 +136,6 @@ def stage_history(leg: "Leg") -> list[tuple[str, int, int, str | None]]:
 class Cluster:
     name: str
     last_ok_ns: int = 0  # sidecar clock of the latest leg that finished ok
-    finished: dict = field(default_factory=dict)  # (role, outcome) -> n
 
 
 @dataclass(slots=True)

@@ -94,6 +94,8 @@ class Tracker:
         self.finished: dict[tuple[str, str, str, str], int] = {}  # (cluster, role, pd_instance, outcome)
         self.stuck_detected: dict[tuple[str, str, str], int] = {}
         self.last_eval = Evaluation(0, [], {}, {}, {})
+        self.ingests = 0  # OTLP requests applied; tells whether last_eval still holds
+        self._eval_after = -1  # self.ingests when last_eval was made
 
     # ---- ingest ------------------------------------------------------------
 
@@ -101,6 +103,7 @@ class Tracker:
         """Apply one OTLP request: what was rejected and why, and how many spans were not lifecycle spans."""
         rejected, messages, other = 0, [], 0
         with self.lock:
+            self.ingests += 1
             now = self.clock()
             for source, spans in iter_batches(request):
                 self.spans_received += len(spans)
@@ -242,12 +245,10 @@ class Tracker:
             return
         fkey = (leg.cluster, leg.role, leg.pd_instance, outcome)
         self.finished[fkey] = self.finished.get(fkey, 0) + 1
-        cluster = self.clusters.get(leg.cluster)
-        if cluster is None:
-            cluster = self.clusters[leg.cluster] = Cluster(leg.cluster)
-        ckey = (leg.role, outcome)
-        cluster.finished[ckey] = cluster.finished.get(ckey, 0) + 1
         if outcome == "ok":
+            cluster = self.clusters.get(leg.cluster)
+            if cluster is None:
+                cluster = self.clusters[leg.cluster] = Cluster(leg.cluster)
             cluster.last_ok_ns = max(cluster.last_ok_ns, now)
             inst = self.instances.get((leg.cluster, leg.pd_instance))
             if inst is not None:
@@ -526,10 +527,23 @@ class Tracker:
 
     # ---- judging -------------------------------------------------------------
 
+    def recent_evaluation(self, max_age_s: float = 1.0) -> Evaluation:
+        """last_eval when nothing was ingested since and it is at most max_age_s old, else a new one.
+
+        A scrape builds the tracker's metrics and then the diagnosis: with this
+        the second reuses the first's walk over every open leg.
+        """
+        with self.lock:
+            ev, now = self.last_eval, self.clock()
+            if self._eval_after == self.ingests and 0 <= now - ev.at_ns <= max_age_s * 1e9:
+                return ev
+            return self.evaluate(now)
+
     def evaluate(self, now: int | None = None) -> Evaluation:
         """Apply the stuck rule to every open leg; remembers and returns the result."""
         with self.lock:
             now = self.clock() if now is None else now
+            self._eval_after = self.ingests
             self.expire_instances(now)
             thresholds: dict[tuple[str, str, str], float] = {}
             groups: dict[tuple[str, str, str, str], list] = {}

@@ -89,11 +89,13 @@ def summary(tracker: Tracker) -> dict:
         ev = tracker.evaluate()
         now = ev.at_ns
         clusters: dict = {}
-        for name, cl in tracker.clusters.items():
-            finished: dict = {}
-            for (role, outcome), n in cl.finished.items():
-                finished.setdefault(role, {})[outcome] = n
-            clusters[name] = {"finished": finished, "open": {}, "flowing": bool(ev.flowing.get(name)), "stuck": 0}
+        for name in tracker.clusters:
+            clusters[name] = {"finished": {}, "open": {}, "flowing": bool(ev.flowing.get(name)), "stuck": 0}
+        # Summed from the same counts as pdwatch_requests_finished_total, so the two always agree.
+        for (cluster, role, _inst, outcome), n in tracker.finished.items():
+            if cluster in clusters:
+                by_outcome = clusters[cluster]["finished"].setdefault(role, {})
+                by_outcome[outcome] = by_outcome.get(outcome, 0) + n
         instances = []
         for inst in tracker.instances.values():
             cl = clusters[inst.cluster]

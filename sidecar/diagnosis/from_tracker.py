@@ -17,7 +17,7 @@ def gather(sidecar) -> list[ClusterFacts]:
                 gpus_of.setdefault((owner.cluster, owner.pd_instance), []).append(
                     GpuFacts(str(dev.index), dev.uuid, dev.utilization, dev.power_w, dev.power_limit_w))
     with tracker.lock:
-        ev = tracker.evaluate()
+        ev = tracker.recent_evaluation()  # a scrape has just made one for the tracker's metrics
         now = ev.at_ns
         window_ns = tracker.flow_window_ns
         clusters: dict[str, ClusterFacts] = {

@@ -127,6 +127,8 @@ def test_legs_of_an_instance_that_vanished_are_evicted_after_the_ttl(live_sideca
     sc = live_sidecar(clock=clock, instance_ttl_s=600, max_instances=2)
     t = sc.sidecar.tracker
     gone, alive = engines("decode", "decode-gone"), engines("decode", "decode-alive")
+    gone.walk("d-5", 5, ("bootstrap", "transfer", "queued", "decode"))
+    gone.rec.finish("d-5")
     for i, e in enumerate((gone, alive)):
         e.walk(f"d-{i}", i, ("bootstrap", "transfer"))
         assert httpx.post(f"{sc.url}/v1/traces", content=e.request(True).SerializeToString(),
@@ -143,6 +145,8 @@ def test_legs_of_an_instance_that_vanished_are_evicted_after_the_ttl(live_sideca
     assert metric(text, "pdwatch_legs_evicted_total", '{reason="instance_gone"}') == 1
     assert metric(text, "pdwatch_instances_expired_total") == 1
     assert 'pd_instance="decode-gone"' not in text  # its label sets went with it
+    # The summary's finished counts are the metric's: the forgotten instance's finished leg left both.
+    assert httpx.get(f"{sc.url}/api/v1/summary").json()["clusters"]["default"]["finished"] == {}
     # Its slot is free again: a new instance is accepted under the cap of 2.
     new = engines("decode", "decode-new")
     new.walk("d-9", 9, ("bootstrap",))

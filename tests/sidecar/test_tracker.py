@@ -281,3 +281,21 @@ def test_unusable_spans_are_rejected_by_reason_and_change_nothing(tracker):
         assert tracker.rejected[reason] == before[reason] + 1, (span, reason)
     assert tracker.open == {}
     assert tracker.heartbeats_received == 0
+
+
+def test_a_recent_evaluation_is_reused_until_spans_arrive_or_it_ages(tracker, engines, clock):
+    p = engines("prefill", "prefill-0")
+    p.walk("p-1", 1, PREFILL_TO_TRANSFER)
+    p.send(tracker)
+    clock.advance(16)
+    first = tracker.evaluate()
+    assert tracker.recent_evaluation() is first  # what a scrape's diagnosis reads after its metrics
+    clock.advance(0.5)
+    assert tracker.recent_evaluation() is first
+    p.walk("p-2", 2, ("bootstrap",))
+    p.send(tracker)
+    second = tracker.recent_evaluation()
+    assert second is not first and second.at_ns > first.at_ns  # new spans: judged again
+    clock.advance(2)
+    third = tracker.recent_evaluation()
+    assert third is not second and {s.leg.trace_id for s in third.stuck} == {tid(1)}
