@@ -44,20 +44,6 @@ class StageDurations:
         self.refused = 0
         self.clock = clock
 
-    def observe(self, cluster: str, role: str, stage: str, seconds: float, trace_id: str) -> None:
-        key = (cluster, role, stage)
-        series = self._series.get(key)
-        if series is None:
-            if len(self._series) >= self.max_label_sets:
-                self.refused += 1
-                return
-            n = len(self.bounds) + 1  # the last slot is +Inf
-            series = self._series[key] = [[0] * n, [None] * n, 0.0]
-        i = bisect.bisect_left(self.bounds, seconds)
-        series[0][i] += 1
-        series[1][i] = (trace_id, seconds, self.clock())
-        series[2] += seconds
-
     def observe_many(self, cluster: str, role: str, stage: str, seconds: list[float], trace_ids: list[str]) -> None:
         """One batch's durations of one stage; each bucket keeps the batch's last trace id as its exemplar."""
         key = (cluster, role, stage)

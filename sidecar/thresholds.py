@@ -29,20 +29,8 @@ class StageThresholds:
         self._p99_cache: dict[tuple[str, str, str], float | None] = {}
         self.keys_refused = 0
 
-    def observe(self, key: tuple[str, str, str], seconds: float, now_ns: int) -> None:
-        if not math.isfinite(seconds) or seconds < 0:
-            return
-        window = self._samples.get(key)
-        if window is None:
-            if len(self._samples) >= self.max_keys:
-                self.keys_refused += 1
-                return
-            window = self._samples[key] = deque(maxlen=self.max_samples)
-        window.append((now_ns, seconds))
-        self._p99_cache.pop(key, None)
-
     def observe_many(self, key: tuple[str, str, str], seconds: list[float], now_ns: int) -> None:
-        """Several durations observed at one moment (one OTLP batch); each must be finite and >= 0."""
+        """Durations observed at one moment (one OTLP batch); each must be finite and >= 0."""
         window = self._samples.get(key)
         if window is None:
             if len(self._samples) >= self.max_keys:
