@@ -27,6 +27,7 @@ class Leg:
     stage_since_ns: int = 0
     stage_attrs: dict = field(default_factory=dict)
     tokens: int = 0
+    last_token_ns: int = 0
 
 
 @dataclass(slots=True)
@@ -132,6 +133,7 @@ class LegTable:
         self.tokens_generated += n
         if leg is not None:
             leg.tokens += n
+            leg.last_token_ns = ts
 
     def finish(self, rid: str, ts: int, outcome: str, reason: str | None, output_tokens) -> list:
         leg = self.open.pop(rid, None)
@@ -175,4 +177,5 @@ class LegTable:
         attrs[c.H_OPEN_SPAN_IDS] = [f"{leg.span_id:016x}" for leg in listed]
         attrs[c.H_OPEN_ROOMS] = [-1 if leg.room is None else leg.room for leg in listed]
         attrs[c.H_OPEN_PEERS] = [leg.peer or "" for leg in listed]
+        attrs[c.H_OPEN_LAST_TOKEN] = [leg.last_token_ns for leg in listed]
         return attrs

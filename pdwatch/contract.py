@@ -86,6 +86,9 @@ H_OPEN_SPAN_IDS = "pd.open.span_ids"
 # never finishes can still be named by room and peer.
 H_OPEN_ROOMS = "pd.open.bootstrap_rooms"  # -1 when the leg has no room
 H_OPEN_PEERS = "pd.open.peers"  # "" when unknown
+# When each listed leg's latest token came (0 before its first), so a sidecar
+# that starts late can age a silent decode from its last token.
+H_OPEN_LAST_TOKEN = "pd.open.last_token_unix_nano"
 
 # Attributes of the sidecar's pd.stuck span (section 10).
 A_INSTANCE = "pd.instance"

@@ -416,7 +416,8 @@ class Tracker:
             raise Rejection("bad_value", "inventory trace ids, stages and entry times must be arrays")
         n = len(tids)
         optional = {}
-        for name in (c.H_OPEN_RIDS, c.H_OPEN_TOKENS, c.H_OPEN_SPAN_IDS, c.H_OPEN_ROOMS, c.H_OPEN_PEERS):
+        for name in (c.H_OPEN_RIDS, c.H_OPEN_TOKENS, c.H_OPEN_SPAN_IDS, c.H_OPEN_ROOMS, c.H_OPEN_PEERS,
+                     c.H_OPEN_LAST_TOKEN):
             value = attrs.get(name)
             if value is not None:
                 if not isinstance(value, list) or len(value) != n:
@@ -439,13 +440,14 @@ class Tracker:
         span_ids = optional.get(c.H_OPEN_SPAN_IDS) or [None] * n
         rooms = optional.get(c.H_OPEN_ROOMS) or [-1] * n
         peers = optional.get(c.H_OPEN_PEERS) or [""] * n
-        return total, tids, stages, since, rids, tokens, span_ids, rooms, peers
+        last_tokens = optional.get(c.H_OPEN_LAST_TOKEN) or [0] * n
+        return total, tids, stages, since, rids, tokens, span_ids, rooms, peers, last_tokens
 
     def _apply_inventory(self, src: Source, inc: Incarnation, hb_ns: int, seq: int, inventory) -> None:
-        total, tids, stages, since, rids, tokens, span_ids, rooms, peers = inventory
+        total, tids, stages, since, rids, tokens, span_ids, rooms, peers, last_tokens = inventory
         role, order = src.role, _STAGE_INDEX[src.role]
-        for tid, stage, t_in, rid, tok, sid, room, peer in zip(tids, stages, since, rids, tokens, span_ids, rooms,
-                                                                peers):
+        for tid, stage, t_in, rid, tok, sid, room, peer, last_tok in zip(tids, stages, since, rids, tokens, span_ids,
+                                                                          rooms, peers, last_tokens):
             key = (tid, role)
             leg = self.open.get(key)
             if leg is None:
@@ -478,7 +480,13 @@ class Tracker:
                 leg.progress_ns = max(leg.progress_ns, t_in)
             if isinstance(tok, int) and not isinstance(tok, bool) and tok > leg.tokens:
                 leg.tokens = tok
-                leg.progress_ns = max(leg.progress_ns, hb_ns)  # new tokens: the decode is alive
+                # New tokens: the decode was alive when the last of them came. An
+                # engine that does not say when (no last-token list) is taken as
+                # alive at this heartbeat, which can only age it too little.
+                alive_at = hb_ns
+                if isinstance(last_tok, int) and not isinstance(last_tok, bool) and last_tok > 0:
+                    alive_at = min(last_tok, hb_ns)
+                leg.progress_ns = max(leg.progress_ns, alive_at)
             leg.listed_seq = seq
         # Legs this process no longer lists have ended; their leg span was lost
         # or is late. When the lists were cut, only legs older than the newest

@@ -159,6 +159,24 @@ def test_heartbeat_lists_open_legs_oldest_first_and_counts_all():
     assert hb.parent is None
 
 
+def test_heartbeat_says_when_each_listed_leg_last_produced_a_token():
+    rec, exp, clock = make("decode")
+    for rid in ("d-0", "d-1"):
+        rec.arrive(rid, bootstrap_room=int(rid[-1]))
+        rec.enter(rid, "decode")
+    rec.token("d-1", 3)
+    rec.drain()  # tokens take the drain's time: no clock read on the hottest hook
+    drained_at = clock()
+    clock.advance(5)
+    rec.heartbeat()
+    rec.flush()
+    (hb,) = spans_by_name(exp)["pd.heartbeat"]
+    a = hb.attributes
+    last = dict(zip(a["pd.open.rids"], a["pd.open.last_token_unix_nano"]))
+    assert last == {"d-0": 0, "d-1": drained_at}
+    assert dict(zip(a["pd.open.rids"], a["pd.open.tokens"])) == {"d-0": 0, "d-1": 3}
+
+
 def test_inventory_span_ids_name_the_leg_span_that_ends_later():
     rec, exp, _ = make("prefill")
     rec.arrive("p-1", bootstrap_room=9)

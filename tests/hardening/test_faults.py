@@ -177,7 +177,7 @@ def test_a_sidecar_restarted_mid_incident_finds_the_stuck_legs_again_with_their_
     check_invariants(second.sidecar.tracker)
 
 
-def test_after_a_restart_a_decode_leg_with_tokens_is_found_one_floor_later_never_falsely(engines, clock):
+def test_after_a_restart_a_decode_leg_with_tokens_is_aged_from_its_last_token(engines, clock):
     d = engines("decode", "decode-0")
     d.walk("d-1", 1, ("bootstrap", "transfer", "queued", "decode"))
     d.rec.token("d-1", 7)
@@ -185,13 +185,35 @@ def test_after_a_restart_a_decode_leg_with_tokens_is_found_one_floor_later_never
     first.ingest(d.request(heartbeat=True))
     clock.advance(40)  # no token for 40 s: past the decode floor of 30
     first.ingest(d.request(heartbeat=True))
-    assert [s.leg.stage for s in first.evaluate().stuck] == ["decode"]
-    second = Tracker(FLOORS, clock=clock)  # restarted: the token count is known, not when the last token came
+    assert [(s.leg.stage, round(s.age_s)) for s in first.evaluate().stuck] == [("decode", 40)]
+    second = Tracker(FLOORS, clock=clock)  # restarted: the inventory says when the last token came
     second.ingest(d.request(heartbeat=True))
+    assert [(s.leg.stage, round(s.age_s)) for s in second.evaluate().stuck] == [("decode", 40)]
+
+
+def without(request, attribute: str):
+    """The request as an engine without pdwatch's inventory additions would send it."""
+    for rs in request.resource_spans:
+        for ss in rs.scope_spans:
+            for span in ss.spans:
+                for i in range(len(span.attributes) - 1, -1, -1):
+                    if span.attributes[i].key == attribute:
+                        del span.attributes[i]
+    return request
+
+
+def test_without_last_token_times_a_decode_leg_is_found_one_floor_later_never_falsely(engines, clock):
+    d = engines("decode", "decode-0")
+    d.walk("d-1", 1, ("bootstrap", "transfer", "queued", "decode"))
+    d.rec.token("d-1", 7)
+    d.request(heartbeat=True)
+    clock.advance(40)  # no token for 40 s: past the decode floor of 30
+    second = Tracker(FLOORS, clock=clock)  # restarted, and the engine sends only the contract's lists
+    second.ingest(without(d.request(heartbeat=True), c.H_OPEN_LAST_TOKEN))
     assert second.evaluate().stuck == []
     clock.advance(29)
-    second.ingest(d.request(heartbeat=True))
+    second.ingest(without(d.request(heartbeat=True), c.H_OPEN_LAST_TOKEN))
     assert second.evaluate().stuck == []
     clock.advance(2)
-    second.ingest(d.request(heartbeat=True))
+    second.ingest(without(d.request(heartbeat=True), c.H_OPEN_LAST_TOKEN))
     assert [(s.leg.stage, round(s.age_s)) for s in second.evaluate().stuck] == [("decode", 31)]

@@ -46,7 +46,8 @@ def inventory(draw) -> dict:
         c.H_OPEN_SINCE: draw(st.lists(st.one_of(times.filter(lambda t: t < 2**63), I64),
                                       min_size=lengths[2], max_size=lengths[2])),
     }
-    for key in (c.H_OPEN_RIDS, c.H_OPEN_TOKENS, c.H_OPEN_SPAN_IDS, c.H_OPEN_ROOMS, c.H_OPEN_PEERS):
+    for key in (c.H_OPEN_RIDS, c.H_OPEN_TOKENS, c.H_OPEN_SPAN_IDS, c.H_OPEN_ROOMS, c.H_OPEN_PEERS,
+                c.H_OPEN_LAST_TOKEN):
         if draw(st.booleans()):
             out[key] = draw(st.lists(value, min_size=lengths[0], max_size=lengths[0]))
     return out
