@@ -8,6 +8,7 @@ import logging
 import re
 import time
 
+import httpx
 import pytest
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
@@ -16,6 +17,7 @@ from pdwatch import contract as c
 from pdwatch import trace
 from pdwatch.cli import main
 from pdwatch.sidecar_process import SidecarProcess
+from tests.support.waiting import wait_for
 
 WIDTH = 100
 
@@ -53,7 +55,8 @@ def sidecar():
                 rec.drain()
                 rec.heartbeat()
                 assert rec.flush()
-            time.sleep(0.5)  # past the 0.3 s transfer floor: request 1 is stuck
+            # Past the 0.3 s transfer floor (or 3x the p99 of request 0's transfer): request 1 is stuck.
+            wait_for(lambda: len(httpx.get(f"{sc.url}/api/v1/stuck").json()) == 2, what="request 1 stuck")
             yield sc
         finally:
             p.shutdown(1)
