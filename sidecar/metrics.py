@@ -52,7 +52,7 @@ class StageDurations:
             if len(self._series) >= self.max_label_sets:
                 self.refused += 1
                 return
-            n = len(self.bounds) + 1
+            n = len(self.bounds) + 1  # the last slot is +Inf
             series = self._series[key] = [[0] * n, [None] * n, 0.0]
         counts, exemplars, bounds, at = series[0], series[1], self.bounds, self.clock()
         for value, trace_id in zip(seconds, trace_ids):

@@ -11,7 +11,6 @@ import math
 from dataclasses import dataclass
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.proto.trace.v1.trace_pb2 import Status
 
 from pdwatch import contract as c
 
@@ -29,7 +28,6 @@ STAGE_SPANS = {c.stage_span_name(s): s for s in c.ALL_STAGES}
 # Ranks per engine instance (tensor parallel size); more is a malformed resource.
 MAX_RANKS = 1024
 ZERO16, ZERO8 = bytes(16), bytes(8)
-KIND_LEG, KIND_STAGE, KIND_HEARTBEAT = "leg", "stage", "heartbeat"
 
 
 class Rejection(Exception):
@@ -58,15 +56,11 @@ class Source:
 
 
 @dataclass(slots=True)
-class SpanIn:
-    kind: str
-    stage: str | None  # for stage spans
-    trace_id: str  # 32 lowercase hex
-    span_id: str  # 16 lowercase hex
-    parent_span_id: str | None
+class Heartbeat:
+    """The parts of a pd.heartbeat span the tracker reads (stage and leg spans are read off the protobuf)."""
+
     start_ns: int
     end_ns: int
-    error: str | None  # status description when the status is ERROR
     attrs: dict
 
 
@@ -119,7 +113,7 @@ def _int(attrs: dict, key: str, *, required: bool = False, default: int | None =
         if required:
             raise Rejection("missing_attribute", f"missing attribute {key}")
         return default
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise Rejection("bad_value", f"attribute {key} must be an integer")
     return value
 
@@ -177,41 +171,29 @@ def check_ids(span) -> None:
         raise Rejection("bad_id", f"{span.name[:64]}: parent span id must be 8 bytes")
 
 
-def status_error(span) -> str | None:
-    """The status description when the span's status is ERROR."""
-    status = span.status
-    if status.code != Status.STATUS_CODE_ERROR:
-        return None
-    return status.message or "error"
-
-
-def read_span(span) -> SpanIn:
-    name = span.name
-    if name == c.SPAN_HEARTBEAT:
-        kind, stage = KIND_HEARTBEAT, None
-    elif name == c.SPAN_LEG:
-        kind, stage = KIND_LEG, None
-    elif name in STAGE_SPANS:
-        kind, stage = KIND_STAGE, STAGE_SPANS[name]
-    else:
-        raise Rejection("unknown_span", f"span {name[:64]!r} is not a pdwatch span")
-    check_ids(span)
-    parent = span.parent_span_id
+def ids_and_times(span) -> tuple[bytes, bytes, bytes, int, int]:
+    """(trace id, span id, parent span id, start, end) of a span, as raw bytes and
+    nanoseconds, after the checks the contract requires."""
+    tid, sid, parent = span.trace_id, span.span_id, span.parent_span_id
+    if len(tid) != 16 or tid == ZERO16 or len(sid) != 8 or sid == ZERO8 or (parent and len(parent) != 8):
+        check_ids(span)  # raises with the precise reason
     start, end = span.start_time_unix_nano, span.end_time_unix_nano
     if end < start:
-        raise Rejection("bad_value", f"{name}: ends before it starts")
-    error = status_error(span)
-    return SpanIn(
-        kind=kind,
-        stage=stage,
-        trace_id=span.trace_id.hex(),
-        span_id=span.span_id.hex(),
-        parent_span_id=parent.hex() if parent else None,
-        start_ns=start,
-        end_ns=end,
-        error=error,
-        attrs=attributes(span.attributes),
-    )
+        raise Rejection("bad_value", f"{span.name[:64]}: ends before it starts")
+    return tid, sid, parent, start, end
+
+
+def read_heartbeat(span) -> Heartbeat:
+    """A pd.heartbeat span, attributes decoded; any other name is not a pdwatch span."""
+    if span.name != c.SPAN_HEARTBEAT:
+        raise Rejection("unknown_span", f"span {span.name[:64]!r} is not a pdwatch span")
+    _, _, _, start, end = ids_and_times(span)
+    return Heartbeat(start_ns=start, end_ns=end, attrs=attributes(span.attributes))
+
+
+def is_int(value) -> bool:
+    """An integer value; a bool is not one, although Python makes it an int."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def finite(value) -> bool:

@@ -8,7 +8,6 @@ of order: each rule below says what it does with a span that tells it nothing ne
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections import OrderedDict
@@ -21,8 +20,8 @@ from pdwatch import contract as c
 
 from .model import Cluster, Evaluation, Incarnation, Instance, Leg, StuckLeg, record_stage
 from .spans import (
-    ZERO8, ZERO16, REASONS, STAGE_SPANS, Rejection, Source, SpanIn, attributes, check_ids, finite, iter_batches,
-    read_span, room_of,
+    REASONS, STAGE_SPANS, Heartbeat, Rejection, Source, attributes, finite, ids_and_times, is_int, iter_batches,
+    read_heartbeat, room_of,
 )
 from .thresholds import StageThresholds
 
@@ -125,15 +124,15 @@ class Tracker:
                 try:
                     for proto in spans:
                         try:
-                            stage = STAGE_SPANS.get(proto.name)
+                            name = proto.name
+                            stage = STAGE_SPANS.get(name)
                             if stage is not None:
                                 self._stage(source, inc, proto, stage, now, durations)
-                                continue
-                            if proto.name == c.SPAN_LEG:
+                            elif name == c.SPAN_LEG:
                                 self._leg_span(source, inc, proto, now)
                             else:
                                 other += 1
-                                self._heartbeat(source, inc, read_span(proto), now)
+                                self._heartbeat(source, inc, read_heartbeat(proto), now)
                         except Rejection as rej:
                             rejected += 1
                             self.rejected[rej.reason] += 1
@@ -256,12 +255,7 @@ class Tracker:
 
     def _leg_span(self, src: Source, inc: Incarnation, span, now: int) -> None:
         """A leg ended: one per leg, read off the protobuf like a stage span (ids stay bytes until needed)."""
-        tid, sid, parent = span.trace_id, span.span_id, span.parent_span_id
-        if len(tid) != 16 or tid == ZERO16 or len(sid) != 8 or sid == ZERO8 or (parent and len(parent) != 8):
-            check_ids(span)
-        start, end = span.start_time_unix_nano, span.end_time_unix_nano
-        if end < start:
-            raise Rejection("bad_value", f"{c.SPAN_LEG}: ends before it starts")
+        tid, sid, _, start, end = ids_and_times(span)
         attrs = attributes(span.attributes)
         role = attrs.get(c.A_ROLE) or src.role
         outcome = attrs.get(c.A_OUTCOME)
@@ -286,7 +280,7 @@ class Tracker:
         leg.span_id = sid.hex()
         leg.arrive_ns = start
         tokens = attrs.get(c.A_OUTPUT_TOKENS)
-        if isinstance(tokens, int) and not isinstance(tokens, bool):
+        if is_int(tokens):
             leg.tokens = max(leg.tokens, tokens)
         self._close(leg, outcome, end, now)
 
@@ -296,7 +290,7 @@ class Tracker:
         if isinstance(rid, str) and rid:
             leg.rid = rid
         room = attrs.get(c.A_ROOM)
-        if isinstance(room, int) and not isinstance(room, bool):
+        if is_int(room):
             leg.room = room
         peer = attrs.get(c.A_PEER)
         if isinstance(peer, str) and peer:
@@ -310,12 +304,7 @@ class Tracker:
         the resource, rid from inventories and leg spans; only a leg new to us
         has its bootstrap room looked up.
         """
-        tid, sid, parent = span.trace_id, span.span_id, span.parent_span_id
-        if len(tid) != 16 or tid == ZERO16 or len(sid) != 8 or sid == ZERO8 or (parent and len(parent) != 8):
-            check_ids(span)  # raises with the precise reason
-        start, end = span.start_time_unix_nano, span.end_time_unix_nano
-        if end < start:
-            raise Rejection("bad_value", f"pd.{stage}: ends before it starts")
+        tid, sid, parent, start, end = ids_and_times(span)
         role = src.role
         step = _STEPS[role].get(stage)
         if step is None:
@@ -360,10 +349,10 @@ class Tracker:
 
     # ---- heartbeats ----------------------------------------------------------
 
-    def _heartbeat(self, src: Source, inc: Incarnation, span: SpanIn, now: int) -> None:
+    def _heartbeat(self, src: Source, inc: Incarnation, span: Heartbeat, now: int) -> None:
         attrs = span.attrs
         seq = attrs.get(c.H_SEQ)
-        if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+        if not is_int(seq) or seq < 0:
             raise Rejection("missing_attribute", f"pd.heartbeat without a valid {c.H_SEQ}")
         inventory = self._read_inventory(src, attrs) if c.H_OPEN_TOTAL in attrs else None
         if seq <= inc.seq:
@@ -378,15 +367,14 @@ class Tracker:
         inc.last_heartbeat_ns = now
         inc.offsets.append(now - span.end_ns)
         interval = attrs.get(c.H_INTERVAL)
-        if isinstance(interval, (int, float)) and not isinstance(interval, bool) and math.isfinite(interval) \
-                and 0 < interval <= 3600:
+        if finite(interval) and 0 < interval <= 3600:
             inc.interval_s = float(interval)
         loop = attrs.get(c.H_LOOP)
         if isinstance(loop, int) and loop != inc.loop_iterations:
             inc.loop_iterations, inc.loop_changed_ns = loop, now
         for name, key in ((c.H_COMPLETED, "completed"), (c.H_FAILED, "failed"), (c.H_TOKENS, "tokens_generated")):
             value = attrs.get(name)
-            if isinstance(value, int) and not isinstance(value, bool):
+            if is_int(value):
                 setattr(inc, key, value)
         extra = {k: v for k, v in attrs.items()
                  if (k.startswith("pdwatch.") or k.startswith("pd.engine.")) and finite(v)}
@@ -395,7 +383,7 @@ class Tracker:
         counts = {}
         for stage in c.STAGES[src.role]:
             value = attrs.get(c.H_OPEN_COUNT_PREFIX + stage)
-            if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            if is_int(value) and value >= 0:
                 counts[stage] = value
         if counts or inventory is not None:
             inc.open_counts = counts
@@ -406,7 +394,7 @@ class Tracker:
     def _read_inventory(self, src: Source, attrs: dict):
         """Validate the parallel lists before anything changes (a bad heartbeat changes nothing)."""
         total = attrs.get(c.H_OPEN_TOTAL)
-        if not isinstance(total, int) or isinstance(total, bool) or total < 0:
+        if not is_int(total) or total < 0:
             raise Rejection("bad_value", f"{c.H_OPEN_TOTAL} must be a non-negative integer")
         tids = attrs.get(c.H_OPEN_TRACE_IDS) or []
         stages = attrs.get(c.H_OPEN_STAGES) or []
@@ -433,7 +421,7 @@ class Tracker:
                 raise Rejection("bad_id", f"inventory trace id #{i} is not 32 lowercase hex digits")
             if stages[i] not in valid:
                 raise Rejection("bad_value", f"inventory stage #{i} {str(stages[i])[:32]!r} is not a {src.role} stage")
-            if not isinstance(since[i], int) or isinstance(since[i], bool) or since[i] < 0:
+            if not is_int(since[i]) or since[i] < 0:
                 raise Rejection("bad_value", f"inventory stage entry time #{i} must be a non-negative integer")
         rids = optional.get(c.H_OPEN_RIDS) or [""] * n
         tokens = optional.get(c.H_OPEN_TOKENS) or [0] * n
@@ -467,7 +455,7 @@ class Tracker:
                 leg.rid = rid
             if _is_hex(sid, 16):
                 leg.span_id = sid
-            if isinstance(room, int) and not isinstance(room, bool) and room >= 0:
+            if is_int(room) and room >= 0:
                 leg.room = room
             if isinstance(peer, str) and peer:
                 leg.peer = peer[:256]
@@ -478,13 +466,13 @@ class Tracker:
             elif t_in > leg.stage_since_ns:
                 leg.stage_since_ns = t_in
                 leg.progress_ns = max(leg.progress_ns, t_in)
-            if isinstance(tok, int) and not isinstance(tok, bool) and tok > leg.tokens:
+            if is_int(tok) and tok > leg.tokens:
                 leg.tokens = tok
                 # New tokens: the decode was alive when the last of them came. An
                 # engine that does not say when (no last-token list) is taken as
                 # alive at this heartbeat, which can only age it too little.
                 alive_at = hb_ns
-                if isinstance(last_tok, int) and not isinstance(last_tok, bool) and last_tok > 0:
+                if is_int(last_tok) and last_tok > 0:
                     alive_at = min(last_tok, hb_ns)
                 leg.progress_ns = max(leg.progress_ns, alive_at)
             leg.listed_seq = seq
