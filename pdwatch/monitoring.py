@@ -154,7 +154,7 @@ class Monitoring:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
-                if len([r for r in self.query('up{job="pdwatch"} == 1')]) >= len(self.sidecars):
+                if len(self.query('up{job="pdwatch"} == 1')) >= len(self.sidecars):
                     return
             except (httpx.HTTPError, MonitoringError):
                 pass
@@ -190,6 +190,10 @@ class Monitoring:
 
     def firing(self) -> list[dict]:
         return self.alerts("firing")
+
+    def alert_names(self, state: str) -> list[str]:
+        """The names of the alerts in `state` now, sorted, each once."""
+        return sorted({a["labels"]["alertname"] for a in self.alerts(state)})
 
     def stop(self) -> None:
         for p in self.procs:
