@@ -123,6 +123,21 @@ def collective_desync(f: ClusterFacts) -> Finding | None:
     return Finding("collective_desync", confidence, evidence, ACTIONS["collective_desync"])
 
 
+def _explained_by_silence(f: ClusterFacts, evidence: list, stages: str) -> float:
+    """How much a wedge's confidence drops because a silent engine explains its stuck legs.
+
+    A frozen or dead peer leaves legs hanging in transfer or bootstrap on the
+    side that is still up, and its GPUs read idle: the picture of a wedge,
+    whose action (co-restart the pair) would be wrong. The silent engine is the
+    finding to lead with, so the wedge ranks below it."""
+    down = [i for i in f.instances if not i.up]
+    if not down:
+        return 0.0
+    names = ", ".join(f"{i.role} {i.pd_instance}" for i in down)
+    evidence.append(f"{names} sent no heartbeat: the legs stuck in {stages} may wait on it (engine_silent)")
+    return 0.3
+
+
 def transfer_wedge(f: ClusterFacts) -> Finding | None:
     n = f.stuck_in("transfer")
     if not n or not f.flowing:
@@ -146,6 +161,7 @@ def transfer_wedge(f: ClusterFacts) -> Finding | None:
         confidence -= 0.2
     elif reading is None:
         evidence.append(f"{names}: no GPU telemetry, so a collective hang is not ruled out by power and utilization")
+    confidence -= _explained_by_silence(f, evidence, "transfer")
     return Finding("transfer_wedge", min(confidence, 0.95), evidence, ACTIONS["transfer_wedge"])
 
 
@@ -176,7 +192,8 @@ def bootstrap_wedge(f: ClusterFacts) -> Finding | None:
         return None
     evidence = [_stuck_sentence(f, ("bootstrap",)) + f" while {_flow_sentence(f)}",
                 "stuck on " + ", ".join(f"{i.role} {i.pd_instance}" for i in wedged)]
-    return Finding("bootstrap_wedge", 0.7, evidence, ACTIONS["bootstrap_wedge"])
+    confidence = 0.7 - _explained_by_silence(f, evidence, "bootstrap")
+    return Finding("bootstrap_wedge", confidence, evidence, ACTIONS["bootstrap_wedge"])
 
 
 def total_wedge(f: ClusterFacts) -> Finding | None:

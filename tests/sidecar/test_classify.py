@@ -75,6 +75,26 @@ def test_a_silent_engine():
     assert "decode decode-0: no heartbeat for 12 s" in v["evidence"][0]
 
 
+def test_legs_stuck_against_a_frozen_decode_lead_with_the_silent_engine_not_a_wedge():
+    # freeze-decode caught mid-transfer: the prefill's leg waits on a decode that
+    # sends nothing, whose GPU reads idle. That looks like the incident's wedge,
+    # but co-restarting the pair would be the wrong action: the frozen engine leads.
+    facts = cluster([
+        inst("prefill-0", "prefill", stuck={"transfer": 1, "bootstrap": 2}, gpus=WORKING),
+        inst("decode-0", "decode", up=False, ok=0, open_legs=3, gpus=IDLE),
+        inst("decode-1", "decode", open_legs=0, gpus=WORKING),
+    ])
+    v = verdict(facts)
+    assert v["family"] == "engine_silent", v
+    ranked = {f["family"]: f for f in v["findings"]}
+    assert ranked["transfer_wedge"]["confidence"] < ranked["engine_silent"]["confidence"]
+    assert "decode decode-0 sent no heartbeat" in " ".join(ranked["transfer_wedge"]["evidence"])
+    assert "bootstrap_wedge" not in ranked  # demoted below the report line
+    # The same stuck legs with every engine up are the wedge again.
+    facts.instances[1].up = True
+    assert verdict(facts)["family"] == "transfer_wedge"
+
+
 def test_kv_starvation_is_queue_starvation_not_a_bootstrap_wedge():
     facts = cluster([inst("prefill-0", "prefill"), inst("decode-0", "decode", ok=25, stuck={"bootstrap": 3})])
     assert families(facts) == ["queue_starvation"]
