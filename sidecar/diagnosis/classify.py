@@ -87,7 +87,7 @@ def _instances_with(f: ClusterFacts, *stages: str) -> list[InstanceFacts]:
 
 
 def engine_silent(f: ClusterFacts) -> Finding | None:
-    down = [i for i in f.instances if not i.up]
+    down = f.silent
     if not down:
         return None
     evidence = [
@@ -130,7 +130,7 @@ def _explained_by_silence(f: ClusterFacts, evidence: list, stages: str) -> float
     side that is still up, and its GPUs read idle: the picture of a wedge,
     whose action (co-restart the pair) would be wrong. The silent engine is the
     finding to lead with, so the wedge ranks below it."""
-    down = [i for i in f.instances if not i.up]
+    down = f.silent
     if not down:
         return 0.0
     names = ", ".join(f"{i.role} {i.pd_instance}" for i in down)

@@ -46,6 +46,11 @@ class ClusterFacts:
     def flowing(self) -> bool:
         return self.finished_ok_recent > 0
 
+    @property
+    def silent(self) -> list:
+        """Instances that stopped sending heartbeats (down)."""
+        return [i for i in self.instances if not i.up]
+
     def stuck_in(self, *stages: str, role: str | None = None) -> int:
         return sum(n for (r, s), n in self.stuck.items() if s in stages and (role is None or r == role))
 
