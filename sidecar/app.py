@@ -82,10 +82,6 @@ class Sidecar:
         self.guard = IngestGuard(settings.max_rss_bytes)
         self.registry.register(GuardCollector(self.guard))
 
-    @property
-    def ingest_errors(self) -> int:
-        return self.guard.errors
-
     def diagnosis(self) -> list[dict]:
         return [verdict(facts) for facts in gather_facts(self)]
 

@@ -181,7 +181,7 @@ def test_each_kind_of_bad_input_gets_a_4xx_or_a_partial_success(live_sidecar, en
         r = http.post("/v1/traces", content=body, headers=PB)
         assert r.status_code == 200 and not ExportTraceServiceResponse.FromString(r.content).HasField("partial_success")
     assert (f"{c.room_trace_id(1):032x}", "prefill") in sc.sidecar.tracker.open
-    assert sc.sidecar.ingest_errors == 0  # no input reached the catch-all
+    assert sc.sidecar.guard.errors == 0  # no input reached the catch-all
     assert len(seen) == len(CASES)
 
 
@@ -233,5 +233,5 @@ def test_any_body_gets_a_4xx_or_200_never_a_5xx(in_process, case):
     assert r.status_code in (200, 400, 413, 415), (r.status_code, r.text[:200])
     if r.status_code == 200 and headers["content-type"] != "application/json":
         ExportTraceServiceResponse.FromString(r.content)
-    assert sc.ingest_errors == 0
+    assert sc.guard.errors == 0
     check_invariants(sc.tracker)

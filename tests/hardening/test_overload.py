@@ -176,4 +176,4 @@ def test_a_bug_while_applying_spans_answers_400_and_is_counted(live_sidecar, eng
     # 400, not 500: OTLP exporters retry a 5xx, and the same body would fail the same way forever.
     assert r.status_code == 400 and "could not be applied" in r.json()["detail"]
     assert metric(httpx.get(f"{sc.url}/metrics").text, "pdwatch_ingest_errors_total") == 1
-    assert sc.sidecar.ingest_errors == 1
+    assert sc.sidecar.guard.errors == 1
