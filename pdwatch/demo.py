@@ -216,16 +216,16 @@ def _await_page(args, stack, sidecar, monitoring, fault_at) -> int:
             print(f"  summary: {notes.get('summary')}")
             print(f"  description: {notes.get('description')}")
             print(f"  runbook: {notes.get('runbook_url')}")
-            others = [name for name in monitoring.alert_names("firing") if name != HEADLINE]
+            others = [name for name in monitoring.alert_names()["firing"] if name != HEADLINE]
             if others:
                 print(f"also firing in Prometheus: {', '.join(others)}")
             print("OK: paged")
             return 0
         if time.time() - last >= 10:
             last = time.time()
-            pending, firing = monitoring.alert_names("pending"), monitoring.alert_names("firing")
+            names = monitoring.alert_names()  # one request for both states
             print(f"  {time.time() - fault_at:5.0f} s since the fault: stuck={len(sidecar.get('/api/v1/stuck'))}, "
-                  f"pending alerts {pending or '-'}, firing {firing or '-'}", flush=True)
+                  f"pending alerts {names['pending'] or '-'}, firing {names['firing'] or '-'}", flush=True)
         time.sleep(1)
     print(f"FAIL: no page within {args.page_timeout_s:.0f} s of the fault")
     return 1

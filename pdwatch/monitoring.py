@@ -183,17 +183,19 @@ class Monitoring:
             raise MonitoringError(f"query {expr!r}: {body.get('error')}")
         return body["data"]["result"]
 
-    def alerts(self, state: str) -> list[dict]:
-        """Alerts Prometheus holds in `state` ("pending" or "firing") now."""
-        r = httpx.get(f"{self.prometheus_url}/api/v1/alerts", timeout=10).json()
-        return [a for a in r["data"]["alerts"] if a["state"] == state]
+    def alerts(self) -> list[dict]:
+        """Every alert Prometheus holds now, pending or firing."""
+        return httpx.get(f"{self.prometheus_url}/api/v1/alerts", timeout=10).json()["data"]["alerts"]
 
     def firing(self) -> list[dict]:
-        return self.alerts("firing")
+        return [a for a in self.alerts() if a["state"] == "firing"]
 
-    def alert_names(self, state: str) -> list[str]:
-        """The names of the alerts in `state` now, sorted, each once."""
-        return sorted({a["labels"]["alertname"] for a in self.alerts(state)})
+    def alert_names(self) -> dict[str, list[str]]:
+        """The names of the alerts held now by state ("pending", "firing"), sorted, each once; one request."""
+        names: dict[str, set] = {"pending": set(), "firing": set()}
+        for a in self.alerts():
+            names.setdefault(a["state"], set()).add(a["labels"]["alertname"])
+        return {state: sorted(n) for state, n in names.items()}
 
     def stop(self) -> None:
         for p in self.procs:

@@ -117,5 +117,5 @@ def test_every_rule_and_dashboard_expression_runs_and_its_metrics_exist(incident
     # expressions are filters, empty when their alert does not fire.
     dashboard_empty = [w for w in empty if not w.startswith("rule ")]
     assert not dashboard_empty, dashboard_empty
-    fired = set(mon.alert_names("firing"))
+    fired = set(mon.alert_names()["firing"])
     assert HEADLINE in fired and f"rule {HEADLINE}" not in empty
