@@ -15,7 +15,7 @@ TEST_DEPS :=
 DEMO_DEPS :=
 -include $(sort $(wildcard mk/*.mk))
 
-.PHONY: demo test bench lint clean
+.PHONY: demo test bench clean
 
 $(STAMP): $(REQS) pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
