@@ -63,7 +63,9 @@ def test_otlp_exporter_to_stuck_api_and_request_detail(live_sidecar, compression
                      and {(s["trace_id"], s["role"]) for s in got} == want and got)
     assert {(s["trace_id"], s["role"]) for s in stuck} == want
     for s in stuck:
-        assert s["stage"] == "transfer" and s["threshold_s"] == 0.3 and s["stage_age_s"] > 0.3
+        # The tracker judges age > threshold in nanoseconds; the API rounds both to the
+        # millisecond, so a leg polled within 0.5 ms of its threshold reads equal to it.
+        assert s["stage"] == "transfer" and s["threshold_s"] == 0.3 and s["stage_age_s"] >= 0.3
         assert s["others_flowing"] is True
         assert s["pd_instance"] == f"{s['role']}-0" and s["rid"][0] == s["role"][0]
         assert s["bootstrap_room"] in (3, 4)
