@@ -22,12 +22,13 @@ class Leg:
     arrive_ns: int
     room: int | None = None
     peer: str | None = None
-    prompt_tokens: int = 0
+    prompt_tokens: int = -1  # -1: unknown
     stage: str | None = None
     stage_since_ns: int = 0
     stage_attrs: dict = field(default_factory=dict)
     tokens: int = 0
     last_token_ns: int = 0
+    probe: bool = False  # the engine's own warm-up or health check
 
 
 @dataclass(slots=True)
@@ -75,7 +76,7 @@ class LegTable:
 
     # Each apply_* returns the span pieces the record completed (maybe none).
 
-    def arrive(self, rid: str, ts: int, room, traceparent, prompt_tokens, peer) -> list:
+    def arrive(self, rid: str, ts: int, room, traceparent, prompt_tokens, peer, probe=False) -> list:
         done: list = []
         old = self.open.get(rid)
         if old is not None:
@@ -85,7 +86,8 @@ class LegTable:
             oldest = min(self.open.values(), key=lambda leg: leg.arrive_ns)
             del self.open[oldest.rid]
             self.evicted += 1
-        trace_id, parent = trace_id_for(traceparent, room)
+        # A probe shares its fixed room with every other probe: a trace of its own.
+        trace_id, parent = trace_id_for(None, None) if probe else trace_id_for(traceparent, room)
         self.open[rid] = Leg(
             rid=rid,
             trace_id=trace_id,
@@ -94,7 +96,8 @@ class LegTable:
             arrive_ns=ts,
             room=room,
             peer=peer,
-            prompt_tokens=int(prompt_tokens or 0),
+            prompt_tokens=-1 if prompt_tokens is None else int(prompt_tokens),
+            probe=bool(probe),
         )
         return done
 
@@ -102,7 +105,7 @@ class LegTable:
         leg = self.open.get(rid)
         if leg is None:
             # Hooks attached mid-flight see legs they never saw arrive.
-            self.arrive(rid, ts, None, None, 0, None)
+            self.arrive(rid, ts, None, None, None, None)
             leg = self.open[rid]
         return leg
 
@@ -178,4 +181,6 @@ class LegTable:
         attrs[c.H_OPEN_ROOMS] = [-1 if leg.room is None else leg.room for leg in listed]
         attrs[c.H_OPEN_PEERS] = [leg.peer or "" for leg in listed]
         attrs[c.H_OPEN_LAST_TOKEN] = [leg.last_token_ns for leg in listed]
+        attrs[c.H_OPEN_PROMPT_TOKENS] = [leg.prompt_tokens for leg in listed]
+        attrs[c.H_OPEN_PROBES] = [leg.probe for leg in listed]
         return attrs

@@ -171,9 +171,12 @@ class SpanSink:
             c.A_ROLE: self.role,
             c.A_RID: leg.rid,
             c.A_OUTCOME: piece.outcome,
-            c.A_PROMPT_TOKENS: leg.prompt_tokens,
             c.A_OUTPUT_TOKENS: piece.output_tokens,
         }
+        if leg.prompt_tokens >= 0:
+            attrs[c.A_PROMPT_TOKENS] = leg.prompt_tokens
+        if leg.probe:
+            attrs[c.A_PROBE] = True
         if leg.room is not None:
             attrs[c.A_ROOM] = leg.room
         if leg.peer:

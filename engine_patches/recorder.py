@@ -70,9 +70,10 @@ class Recorder:
             return
         self._buf.append(record)
 
-    def arrive(self, rid, *, bootstrap_room=None, traceparent=None, prompt_tokens=0, peer=None) -> None:
+    def arrive(self, rid, *, bootstrap_room=None, traceparent=None, prompt_tokens=None, peer=None,
+               probe=False) -> None:
         try:
-            self._put((_ARRIVE, rid, self._clock(), (bootstrap_room, traceparent, prompt_tokens, peer)))
+            self._put((_ARRIVE, rid, self._clock(), (bootstrap_room, traceparent, prompt_tokens, peer, probe)))
         except Exception:
             self.hook_errors += 1
 

@@ -66,6 +66,8 @@ A_OUTPUT_TOKENS = "pd.output_tokens"
 A_STAGE = "pd.stage"
 A_XFER_BYTES = "pd.transfer.bytes"
 A_XFER_BACKEND = "pd.transfer.backend"
+# v1.1: an engine's own probe request (warm-up, health check), never "others flowing".
+A_PROBE = "pd.probe"
 
 # Heartbeat attributes (section 4).
 H_SEQ = "pd.heartbeat.seq"
@@ -89,6 +91,9 @@ H_OPEN_PEERS = "pd.open.peers"  # "" when unknown
 # When each listed leg's latest token came (0 before its first), so a sidecar
 # that starts late can age a silent decode from its last token.
 H_OPEN_LAST_TOKEN = "pd.open.last_token_unix_nano"
+# v1.1 lists: the prompt length (-1 when unknown) and whether the leg is a probe.
+H_OPEN_PROMPT_TOKENS = "pd.open.prompt_tokens"
+H_OPEN_PROBES = "pd.open.probes"
 
 # Attributes of the sidecar's pd.stuck span (section 10).
 A_INSTANCE = "pd.instance"

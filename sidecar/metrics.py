@@ -148,6 +148,14 @@ class TrackerCollector:
             finished.add_metric([cluster, role, inst, outcome], n)
         yield finished
 
+        probes = CounterMetricFamily("pdwatch_probe_requests_finished",
+                                     "Engine probe legs (warm-ups, health checks) finished, by outcome; "
+                                     "counted apart from pdwatch_requests_finished_total and never as flow.",
+                                     labels=L_INST + ["outcome"])
+        for (cluster, role, inst, outcome), n in sorted(t.probes_finished.items()):
+            probes.add_metric([cluster, role, inst, outcome], n)
+        yield probes
+
         detected = CounterMetricFamily("pdwatch_stuck_detected", "Legs found stuck, each counted once.",
                                        labels=["cluster", "role", "stage"])
         for (cluster, role, stage), n in sorted(t.stuck_detected.items()):

@@ -108,6 +108,7 @@ class Leg:
     listed_seq: int = -1
     stuck_at_ns: int | None = None  # sidecar clock, while stuck
     ever_stuck: bool = False
+    probe: bool = False  # an engine's own warm-up or health check (contract v1.1 section 2)
 
 
 def record_stage(leg: "Leg", stage: str, start_ns: int, end_ns: int, error: str | None) -> None:

@@ -91,6 +91,8 @@ class Tracker:
         self.evicted: dict[str, int] = {"open_limit": 0, "closed_limit": 0, "vanished": 0, "instance_gone": 0}
         self.instances_expired = 0
         self.finished: dict[tuple[str, str, str, str], int] = {}  # (cluster, role, pd_instance, outcome)
+        # Probes apart: a health check finishing is no request flowing.
+        self.probes_finished: dict[tuple[str, str, str, str], int] = {}
         self.stuck_detected: dict[tuple[str, str, str], int] = {}
         self.last_eval = Evaluation(0, [], {}, {}, {})
         self.ingests = 0  # OTLP requests applied; tells whether last_eval still holds
@@ -243,6 +245,9 @@ class Tracker:
         if outcome is None:
             return
         fkey = (leg.cluster, leg.role, leg.pd_instance, outcome)
+        if leg.probe:
+            self.probes_finished[fkey] = self.probes_finished.get(fkey, 0) + 1
+            return
         self.finished[fkey] = self.finished.get(fkey, 0) + 1
         if outcome == "ok":
             cluster = self.clusters.get(leg.cluster)
@@ -295,6 +300,8 @@ class Tracker:
         peer = attrs.get(c.A_PEER)
         if isinstance(peer, str) and peer:
             leg.peer = peer
+        if attrs.get(c.A_PROBE) is True:
+            leg.probe = True
 
     def _stage(self, src: Source, inc: Incarnation, span, stage: str, now: int, durations: dict) -> None:
         """A finished stage: the bulk of all spans, so read straight off the protobuf.
@@ -405,7 +412,7 @@ class Tracker:
         n = len(tids)
         optional = {}
         for name in (c.H_OPEN_RIDS, c.H_OPEN_TOKENS, c.H_OPEN_SPAN_IDS, c.H_OPEN_ROOMS, c.H_OPEN_PEERS,
-                     c.H_OPEN_LAST_TOKEN):
+                     c.H_OPEN_LAST_TOKEN, c.H_OPEN_PROBES):
             value = attrs.get(name)
             if value is not None:
                 if not isinstance(value, list) or len(value) != n:
@@ -429,13 +436,14 @@ class Tracker:
         rooms = optional.get(c.H_OPEN_ROOMS) or [-1] * n
         peers = optional.get(c.H_OPEN_PEERS) or [""] * n
         last_tokens = optional.get(c.H_OPEN_LAST_TOKEN) or [0] * n
-        return total, tids, stages, since, rids, tokens, span_ids, rooms, peers, last_tokens
+        probes = optional.get(c.H_OPEN_PROBES) or [False] * n
+        return total, tids, stages, since, rids, tokens, span_ids, rooms, peers, last_tokens, probes
 
     def _apply_inventory(self, src: Source, inc: Incarnation, hb_ns: int, seq: int, inventory) -> None:
-        total, tids, stages, since, rids, tokens, span_ids, rooms, peers, last_tokens = inventory
+        total, tids, stages, since, rids, tokens, span_ids, rooms, peers, last_tokens, probes = inventory
         role, order = src.role, _STAGE_INDEX[src.role]
-        for tid, stage, t_in, rid, tok, sid, room, peer, last_tok in zip(tids, stages, since, rids, tokens, span_ids,
-                                                                          rooms, peers, last_tokens):
+        for tid, stage, t_in, rid, tok, sid, room, peer, last_tok, probe in zip(
+                tids, stages, since, rids, tokens, span_ids, rooms, peers, last_tokens, probes):
             key = (tid, role)
             leg = self.open.get(key)
             if leg is None:
@@ -447,7 +455,7 @@ class Tracker:
                     continue
                 if old is not None:  # judged vanished too early (a cut list): it is open after all
                     del self.closed[key]
-                    leg.history, leg.errors = old.history, old.errors
+                    leg.history, leg.errors, leg.probe = old.history, old.errors, old.probe
                     leg.rid, leg.room, leg.peer = old.rid, old.room, old.peer
             else:
                 self._adopt(leg, key, src, inc)
@@ -459,6 +467,8 @@ class Tracker:
                 leg.room = room
             if isinstance(peer, str) and peer:
                 leg.peer = peer[:256]
+            if probe is True:
+                leg.probe = True
             if leg.stage != stage:
                 if leg.stage is None or t_in >= leg.stage_since_ns or order[stage] > order.get(leg.stage, -1):
                     leg.stage, leg.stage_since_ns, leg.progress_ns = stage, t_in, t_in
@@ -512,8 +522,9 @@ class Tracker:
                         self.evicted["instance_gone"] += 1
                         self._close(leg, None, leg.stage_since_ns, now)
                 inc.keys.clear()
-            for fkey in [k for k in self.finished if k[0] == inst.cluster and k[2] == inst.name]:
-                del self.finished[fkey]
+            for counts in (self.finished, self.probes_finished):
+                for fkey in [k for k in counts if k[0] == inst.cluster and k[2] == inst.name]:
+                    del counts[fkey]
             if not any(other.cluster == inst.cluster for other in self.instances.values()):
                 self.clusters.pop(inst.cluster, None)
                 for skey in [k for k in self.stuck_detected if k[0] == inst.cluster]:

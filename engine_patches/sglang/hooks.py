@@ -14,7 +14,10 @@ bookkeeping; loop ticks and tokens go to `state.rec` on every rank.
 
 from __future__ import annotations
 
-from .state import MAX_PENDING, state
+from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
+from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
+
+from .state import MAX_PENDING, TRACEPARENT_ATTR, state
 
 # Outcome classes for a leg that SGLang ended with an abort-type finish.
 _TIMEOUT_WORDS = ("timed out", "timeout")
@@ -49,14 +52,21 @@ def _failure_reason(kv_conn, room) -> str | None:
     return records.get(room)
 
 
+def is_probe(rid: str, bootstrap_host) -> bool:
+    """SGLang's own warm-ups and health checks: a fake bootstrap host, or the health-check rid prefix."""
+    return bootstrap_host == FAKE_BOOTSTRAP_HOST or rid.startswith(HEALTH_CHECK_RID_PREFIX)
+
+
 def _arrive(lc, req, stage: str) -> None:
     rid = req.rid
     room = req.bootstrap_room
+    host = req.bootstrap_host
     tp = state.traceparents.pop(rid, None)
     ids = req.origin_input_ids
+    probe = is_probe(rid, host)
     lc.arrive(rid, bootstrap_room=room, traceparent=tp,
-              prompt_tokens=len(ids) if ids is not None else 0, peer=req.bootstrap_host)
-    if room is not None:
+              prompt_tokens=len(ids) if ids is not None else None, peer=host, probe=probe)
+    if room is not None and not probe:
         state.remember_room(room, rid)
     lc.enter(rid, stage)
 
@@ -88,15 +98,48 @@ def on_loop_iteration(self, *args, **kwargs):
         rec.loop_iterations += 1  # Recorder.loop_tick, inlined: once per loop pass
 
 
+# ---- the router's traceparent, from the HTTP process to the scheduler -----------
+# SGLang 0.5.23 keeps a request's trace headers only with --enable-trace, and
+# then inside its own tracing context. The HTTP process notes the traceparent
+# on the request's time stats, which SGLang pickles to the scheduler; pdwatch's
+# __getstate__ hook adds the note to what is pickled.
+
+def on_request_state(result, self, obj, request=None, *args, **kwargs):
+    """HTTP process: the traceparent header, noted on each new request's time stats."""
+    if request is None:
+        return
+    try:
+        tp = request.headers.get("traceparent")
+        if not tp:
+            return
+        rids = obj.rid if isinstance(obj.rid, list) else (obj.rid,)
+        states = self.rid_to_state
+        for rid in rids:
+            st = states.get(rid)
+            if st is not None:
+                setattr(st.time_stats, TRACEPARENT_ATTR, tp)
+    except Exception:
+        state.early_errors += 1
+
+
+def on_time_stats_pickled(result, self, *args, **kwargs):
+    """HTTP process: the note travels with the time stats (their __getstate__ drops unknown fields)."""
+    try:
+        tp = self.__dict__.get(TRACEPARENT_ATTR)
+        if tp and isinstance(result, dict):
+            result[TRACEPARENT_ATTR] = tp
+    except Exception:
+        state.early_errors += 1
+
+
 def on_generate_request(self, recv_req, *args, **kwargs):
+    """Scheduler: keep the note until the leg arrives (the Req does not exist yet)."""
     if state.lc is None:
         return
     try:
-        header = recv_req.external_trace_header
-        if header:
-            tp = header.get("traceparent")
-            if tp:
-                state.keep_traceparent(recv_req.rid, tp)
+        tp = getattr(recv_req.time_stats, TRACEPARENT_ATTR, None)
+        if tp:
+            state.keep_traceparent(recv_req.rid, tp)
     except Exception:
         _counted_error()
 

@@ -18,6 +18,9 @@ log = logging.getLogger("pdwatch.sglang")
 # Bounds for the bridging maps; an entry lives only while its leg is open, so
 # these only fill when SGLang loses requests without streaming them.
 MAX_PENDING = 65536
+# The attribute under which the HTTP process notes a request's traceparent on
+# its time stats, for the scheduler process to read.
+TRACEPARENT_ATTR = "pdwatch_traceparent"
 _ROLE = {"null": "unified", "prefill": "prefill", "decode": "decode"}
 
 
@@ -57,7 +60,7 @@ class PluginState:
             tp_size=tp_size,
             owns_requests=owns,
             engine_version=_sglang_version(),
-            gpu_uuids=tuple(gpu_uuids(getattr(scheduler, "gpu_id", None))),
+            gpu_uuids=tuple(gpu_uuids(_gpu_id())),
         )
         rec = (recorder_factory or from_env)(role, **overrides)
         rec.hook_errors += self.early_errors
@@ -154,6 +157,17 @@ def _parallel_ranks(scheduler) -> tuple[int, int, bool]:
         tp_size = int(getattr(scheduler, "tp_size", 1) or 1)
         owns = tp_rank == 0
     return tp_rank, tp_size, owns
+
+
+def _gpu_id() -> int | None:
+    """The device this scheduler drives (0.5.23 keeps it in the runtime context, not on the Scheduler)."""
+    try:
+        from sglang.srt.runtime_context import get_device
+
+        gpu_id = get_device().gpu_id
+        return None if gpu_id is None else int(gpu_id)
+    except Exception:
+        return None
 
 
 def _sglang_version() -> str:

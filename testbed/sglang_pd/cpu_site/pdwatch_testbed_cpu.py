@@ -1,0 +1,201 @@
+"""Test infrastructure: the SGLang plugin that lets PD servers run on a CPU, with faults.
+
+Found only where `testbed.sglang_pd` puts this folder on PYTHONPATH (its
+dist-info names the entry point), so a GPU deployment never loads it. It does
+three things, none of them in pdwatch's own hooks:
+
+- registers SGLang's CPU KV pool with NIXL as DRAM (SGLang labels it VRAM, and
+  NIXL's UCX backend refuses that on a machine without CUDA);
+- gives NIXL's progress thread a 1 ms delay (the Python API fixes 0, a busy
+  poll of most of a core per agent: three of them would fill this machine);
+- the `transfer-wedge` fault, at the transport boundary: once the testbed's
+  fault file names a decode instance, the prefill's NIXL writes to that
+  decode's agent are never posted and their state reads `PROC` for ever, as a
+  transfer to a wedged peer does. SGLang's KV sender keeps polling, the
+  request stays in its inflight queue; nothing in SGLang times it out.
+
+Every process also reports its NIXL agent name and KV rank port to the
+testbed's state folder, so the testbed can name a decode's agent.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+
+log = logging.getLogger("pdwatch.testbed.cpu")
+
+STATE_DIR_ENV = "PDWATCH_TESTBED_STATE_DIR"
+FAULT_FILE = "faults.json"
+PROGRESS_DELAY_US = 1000
+# A wedged transfer's state is read in SGLang's spin loop (time.sleep(0)); the
+# answer comes after this pause, so the spin does not take a core here.
+WEDGED_POLL_S = 0.05
+
+
+def plugin() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    mgr = "sglang.srt.disaggregation.nixl.conn.NixlKVManager.__init__"
+    HookRegistry.register(mgr, _kv_pool_in_dram, HookType.BEFORE)
+    HookRegistry.register(mgr, _report_agent, HookType.AFTER)
+    _slow_progress_thread()
+    _install_wedge()
+
+
+def _kv_pool_in_dram(self, args, *rest, **kwargs):
+    ptrs = getattr(args, "kv_data_ptrs", None) or []
+    args.kv_data_mem_kinds = ["DRAM"] * len(ptrs)
+
+
+def _state_dir() -> str | None:
+    return os.environ.get(STATE_DIR_ENV) or None
+
+
+def _report_agent(result, self, *args, **kwargs):
+    folder = _state_dir()
+    if folder is None:
+        return
+    instance = os.environ.get("PDWATCH_INSTANCE", f"pid-{os.getpid()}")
+    info = {"instance": instance, "agent": self.agent.name, "rank_port": int(self.rank_port),
+            "pid": os.getpid(), "t": time.time()}
+    path = os.path.join(folder, f"agent-{instance}.json")
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(info, f)
+    os.replace(tmp, path)
+
+
+def _nixl_api():
+    import nixl._api as api
+
+    return api
+
+
+def _slow_progress_thread() -> None:
+    api = _nixl_api()
+    real = api.nixlBind
+
+    class _Bind:
+        """nixlBind with a progress-thread delay set on every agent config."""
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def nixlAgent(name, config):
+            config.pthrDelay = PROGRESS_DELAY_US
+            return real.nixlAgent(name, config)
+
+    api.nixlBind = _Bind()
+
+
+class _Wedge:
+    """Which remote agents are wedged, read from the testbed's fault file when it changes."""
+
+    def __init__(self) -> None:
+        self.agents: frozenset[str] = frozenset()
+        self._mtime = 0.0
+        self._checked = 0.0
+        self._lock = threading.Lock()
+        self.handles: dict[int, str] = {}  # xfer or prepped-dlist handle value -> remote agent
+        self.hung: set[int] = set()  # handles of writes that were never posted
+        self.logged: set[str] = set()
+
+    def refresh(self) -> frozenset[str]:
+        now = time.monotonic()
+        if now - self._checked < 0.2:
+            return self.agents
+        self._checked = now
+        folder = _state_dir()
+        if folder is None:
+            return self.agents
+        path = os.path.join(folder, FAULT_FILE)
+        try:
+            mtime = os.stat(path).st_mtime
+        except OSError:
+            return self.agents
+        if mtime != self._mtime:
+            self._mtime = mtime
+            try:
+                with open(path) as f:
+                    wanted = json.load(f).get("wedge_instances", [])
+                names = set()
+                for instance in wanted:
+                    with open(os.path.join(folder, f"agent-{instance}.json")) as f:
+                        names.add(json.load(f)["agent"])
+                self.agents = frozenset(names)
+            except (OSError, ValueError, KeyError):
+                log.warning("pdwatch testbed: unreadable fault file %s", path, exc_info=True)
+        return self.agents
+
+    def remember(self, handle, agent: str) -> None:
+        with self._lock:
+            if len(self.handles) >= 65536:
+                self.handles.pop(next(iter(self.handles)))
+            self.handles[_key(handle)] = agent
+
+    def hangs(self, handle) -> bool:
+        """At the post: a write to a wedged agent is never posted, and hangs from then on."""
+        agent = self.handles.get(_key(handle))
+        if agent is None or agent not in self.refresh():
+            return False
+        with self._lock:
+            if len(self.hung) >= 65536:
+                self.hung.pop()
+            self.hung.add(_key(handle))
+        if agent not in self.logged:
+            self.logged.add(agent)
+            log.warning("pdwatch testbed fault: NIXL writes to agent %s hang from now on", agent)
+        return True
+
+
+def _key(handle) -> int:
+    return int(getattr(handle, "value", id(handle)))
+
+
+WEDGE = _Wedge()
+
+
+def _install_wedge() -> None:
+    agent_cls = _nixl_api().nixl_agent
+    prep, make, init = agent_cls.prep_xfer_dlist, agent_cls.make_prepped_xfer, agent_cls.initialize_xfer
+    transfer, state = agent_cls.transfer, agent_cls.check_xfer_state
+
+    def prep_xfer_dlist(self, agent_name, *args, **kwargs):
+        handle = prep(self, agent_name, *args, **kwargs)
+        if agent_name and agent_name != self.name:
+            WEDGE.remember(handle, agent_name)
+        return handle
+
+    def make_prepped_xfer(self, operation, local_side, local_indices, remote_side, *args, **kwargs):
+        handle = make(self, operation, local_side, local_indices, remote_side, *args, **kwargs)
+        agent = WEDGE.handles.get(_key(remote_side))
+        if agent is not None:
+            WEDGE.remember(handle, agent)
+        return handle
+
+    def initialize_xfer(self, operation, local_descs, remote_descs, remote_agent, *args, **kwargs):
+        handle = init(self, operation, local_descs, remote_descs, remote_agent, *args, **kwargs)
+        WEDGE.remember(handle, remote_agent)
+        return handle
+
+    def transfer_(self, handle, *args, **kwargs):
+        if WEDGE.hangs(handle):
+            return "PROC"  # as a write to a peer that never answers
+        return transfer(self, handle, *args, **kwargs)
+
+    def check_xfer_state(self, handle):
+        if _key(handle) in WEDGE.hung:
+            time.sleep(WEDGED_POLL_S)
+            return "PROC"
+        return state(self, handle)
+
+    agent_cls.prep_xfer_dlist = prep_xfer_dlist
+    agent_cls.make_prepped_xfer = make_prepped_xfer
+    agent_cls.initialize_xfer = initialize_xfer
+    agent_cls.transfer = transfer_
+    agent_cls.check_xfer_state = check_xfer_state
