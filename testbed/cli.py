@@ -1,8 +1,11 @@
-"""`pdwatch testbed`: run the PD testbed alone and print what its router sees.
+"""`pdwatch testbed`: run a PD testbed alone and print what its router sees.
 
-Starts a prefill and two decode processes (KV caches moved as real NIXL DRAM
-transfers), sends load for --duration-s seconds, runs the scenario's faults,
-prints one progress line per second, then stops everything.
+--engine emulated (the default) starts a prefill and two decode processes of
+pdwatch's own that move KV caches as real NIXL DRAM transfers; --engine sglang
+starts real SGLang 0.5.23 prefill and decode servers on this CPU, with
+pdwatch's plugin inside, and SGLang's router. Either sends load for
+--duration-s seconds, runs the scenario's faults, prints one progress line per
+second, then stops everything.
 """
 
 from __future__ import annotations
@@ -12,26 +15,44 @@ import sys
 import time
 
 from . import scenarios
+from .sglang_pd import scenarios as sglang_scenarios
+
+ENGINES = {"emulated": scenarios.SCENARIOS, "sglang": sglang_scenarios.SCENARIOS}
+
+
+def _epilog() -> str:
+    lines = []
+    for engine, table in ENGINES.items():
+        lines.append(f"scenarios of --engine {engine}:")
+        lines += [f"  {s.name:<15} {s.description}" for s in table.values()]
+    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pdwatch testbed", description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="scenarios:\n" + "\n".join(
-                                     f"  {s.name:<15} {s.description}" for s in scenarios.SCENARIOS.values()))
-    ap.add_argument("--scenario", default="healthy", choices=sorted(scenarios.SCENARIOS),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_epilog())
+    ap.add_argument("--engine", default="emulated", choices=sorted(ENGINES),
+                    help="emulated: pdwatch's own engine processes (start in seconds); sglang: real SGLang "
+                         "servers and router on this CPU (start in about a minute) (default emulated)")
+    ap.add_argument("--scenario", default="healthy",
+                    choices=sorted(set().union(*ENGINES.values())),
                     help="what load and faults to run (default healthy)")
+    ap.add_argument("--decodes", type=int, default=2, help="decode instances, 1 or 2 (default 2)")
     ap.add_argument("--otlp-endpoint", default="http://127.0.0.1:4318",
                     help="OTLP/HTTP base URL the engines export to (default http://127.0.0.1:4318)")
-    ap.add_argument("--rate", type=float, default=4.0, help="requests per second (default 4)")
+    ap.add_argument("--rate", type=float, default=None,
+                    help="requests per second (default 4 emulated, 2 sglang)")
     ap.add_argument("--duration-s", type=float, default=60.0, help="seconds of load (default 60)")
-    ap.add_argument("--restart-at", type=float, default=8.0,
-                    help="decode-restart: seconds after start when decode-0 restarts alone (default 8)")
+    ap.add_argument("--restart-at", type=float, default=None,
+                    help="seconds after the load starts when the scenario's fault happens "
+                         "(default 8 emulated, 10 sglang)")
     ap.add_argument("--heartbeat-s", type=float, default=1.0, help="engine heartbeat interval (default 1)")
     ap.add_argument("--decode-floor-s", type=float, default=30.0,
                     help="long-decode: the decode stuck floor the long generations are sized against (default 30)")
     ap.add_argument("--cluster", default="default", help="pd.cluster of the engines (default 'default')")
-    ap.add_argument("--traceparent", action="store_true", help="the router sends a W3C traceparent to both legs")
+    ap.add_argument("--traceparent", action="store_true",
+                    help="emulated: the router sends a W3C traceparent to both legs (the sglang engine's client "
+                         "always sends one, which SGLang's router passes to both legs)")
     ap.add_argument("--drain-s", type=float, default=5.0,
                     help="after the load ends, wait this long for open requests to finish (default 5)")
     ap.add_argument("--seed", type=int, default=1)
@@ -44,25 +65,41 @@ def _line(t: float, truth) -> str:
     bad = sum(1 for r in reqs if r.outcome not in (None, "ok"))
     open_by = {}
     for r in truth.open:
-        open_by[r.decode] = open_by.get(r.decode, 0) + 1
+        key = r.decode or "all"  # SGLang's router picks the decode; its client cannot see which
+        open_by[key] = open_by.get(key, 0) + 1
     per = " ".join(f"{k}={v}" for k, v in sorted(open_by.items())) or "-"
     return (f"t={t:5.1f}s sent={len(reqs):<5} ok={ok:<5} not-ok={bad:<4} open: {per:<24} "
             f"hung-after-restart={len(truth.outstanding_after_restart())}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    from .stack import Stack
-
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.scenario not in ENGINES[args.engine]:
+        ap.error(f"scenario {args.scenario!r} does not exist for --engine {args.engine} "
+                 f"(choose from {', '.join(sorted(ENGINES[args.engine]))})")
+    sglang = args.engine == "sglang"
+    rate = args.rate if args.rate is not None else (2.0 if sglang else 4.0)
+    restart_at = args.restart_at if args.restart_at is not None else (10.0 if sglang else 8.0)
+    common = dict(otlp_endpoint=args.otlp_endpoint, heartbeat_s=args.heartbeat_s, rate=rate, restart_at=restart_at,
+                  seed=args.seed, decode_floor_s=args.decode_floor_s, cluster=args.cluster,
+                  duration_s=args.duration_s, decodes=args.decodes)
     try:
-        stack = Stack(args.scenario, otlp_endpoint=args.otlp_endpoint, heartbeat_s=args.heartbeat_s, rate=args.rate,
-                      restart_at=args.restart_at, seed=args.seed, decode_floor_s=args.decode_floor_s,
-                      cluster=args.cluster, duration_s=args.duration_s, traceparent=args.traceparent)
+        if sglang:
+            from .sglang_pd.stack import SglangStack
+
+            stack = SglangStack(args.scenario, **common)
+        else:
+            from .stack import Stack
+
+            stack = Stack(args.scenario, traceparent=args.traceparent, **common)
     except ValueError as e:
         print(f"pdwatch testbed: {e}", file=sys.stderr)
         return 2
-    print(f"pdwatch testbed: scenario {args.scenario}, {args.rate:g} req/s for {args.duration_s:g} s, "
-          f"exporting to {args.otlp_endpoint}", flush=True)
+    print(f"pdwatch testbed: {args.engine} engine, scenario {args.scenario}, {rate:g} req/s for "
+          f"{args.duration_s:g} s, exporting to {args.otlp_endpoint}", flush=True)
+    if sglang:
+        print("starting SGLang's prefill, decodes and router (about a minute on two cores) ...", flush=True)
     try:
         stack.start()
         t0 = time.monotonic()
@@ -91,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{len(hung)} hung after a restart")
     for r in hung[:20]:
         print(f"  hung: trace_id={r.trace_id} room={r.room} decode={r.decode}")
+    if not hung:
+        for r in truth.open[:20]:
+            print(f"  open: trace_id={r.trace_id} sent {time.time() - r.sent_at:.0f} s ago")
     return 0
 
 

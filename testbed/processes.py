@@ -44,14 +44,30 @@ class EngineProcess:
         self.log: deque[str] = deque(maxlen=LOG_LINES)
         self._ready = threading.Event()
 
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "testbed.engine", "--role", self.role, "--instance", self.instance, *self.args]
+
+    def python_path(self) -> list[str]:
+        return [str(REPO_ROOT)]
+
+    def ready_info(self, line: str) -> dict | None:
+        """The process's ready message, if this output line is one (a JSON line with "ready")."""
+        if not line.startswith("{"):
+            return None
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            return None
+        return msg if isinstance(msg, dict) and msg.get("ready") else None
+
     def spawn(self) -> None:
         env = dict(os.environ)
         env.update(self.env)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (*self.python_path(), env.get("PYTHONPATH", "")) if p)
         self._ready.clear()
         self.info = {}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "testbed.engine", "--role", self.role, "--instance", self.instance, *self.args],
+            self.command(),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             env=env, cwd=str(REPO_ROOT), start_new_session=True,
         )
@@ -61,22 +77,21 @@ class EngineProcess:
                          daemon=True).start()
 
     def _read_stdout(self, proc: subprocess.Popen) -> None:
-        for raw in proc.stdout:
-            line = raw.decode(errors="replace").rstrip()
-            if line.startswith("{"):
-                try:
-                    msg = json.loads(line)
-                except ValueError:
-                    msg = {}
-                if msg.get("ready") and proc is self.proc:
-                    self.info = msg
-                    self._ready.set()
-                    continue
-            self.log.append(line)
+        self._read(proc, proc.stdout)
 
     def _read_stderr(self, proc: subprocess.Popen) -> None:
-        for raw in proc.stderr:
-            self.log.append(raw.decode(errors="replace").rstrip())
+        self._read(proc, proc.stderr)
+
+    def _read(self, proc: subprocess.Popen, stream) -> None:
+        for raw in stream:
+            line = raw.decode(errors="replace").rstrip()
+            info = self.ready_info(line)
+            if info is not None and proc is self.proc:
+                self.info = info
+                self._ready.set()
+                if line.startswith("{"):
+                    continue  # the engine's own ready message, not a log line
+            self.log.append(line)
 
     @property
     def pid(self) -> int | None:

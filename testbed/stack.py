@@ -40,7 +40,90 @@ def _stop_all() -> None:
         stack.stop()
 
 
-class Stack:
+class StackBase:
+    """What every testbed stack shares: timed scenario actions, events, the ground truth, load, stop.
+
+    A stack sets `scenario`, `params`, `router` (anything with `truth()`),
+    `loadgen` and `engines`, and defines `_action_<name>` for its scenario's actions.
+    """
+
+    def _init_common(self) -> None:
+        self.engines: dict = {}
+        self.router = None
+        self.loadgen: LoadGenerator | None = None
+        self.started_at: float | None = None
+        self._events: list[dict] = []
+        self._events_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._stopped = False
+        self._actions_thread: threading.Thread | None = None
+        self._proc_lock = threading.Lock()
+
+    # ---- scenario actions ----------------------------------------------------
+
+    def _start_actions(self) -> None:
+        self._actions_thread = threading.Thread(target=self._run_actions, name="scenario-actions", daemon=True)
+        self._actions_thread.start()
+
+    def _run_actions(self) -> None:
+        t0 = time.monotonic()
+        for at_s, action, instance in sorted(self.scenario.actions(self.params)):
+            if self._stop.wait(max(0.0, at_s - (time.monotonic() - t0))):
+                return
+            try:
+                getattr(self, f"_action_{action.replace('-', '_')}")(instance)
+            except Exception as e:
+                log.exception("scenario action %s on %s failed", action, instance)
+                self._event("action_failed", action=action, instance=instance, error=str(e))
+
+    def _action_freeze(self, instance: str) -> None:
+        """SIGSTOP the engine's process group: it keeps its sockets and state but runs nothing,
+        heartbeats included (stop sends SIGCONT first, so it can still exit cleanly)."""
+        self.engines[instance].signal(signal.SIGSTOP)
+        self._event("frozen", instance=instance)
+
+    # ---- what callers read -----------------------------------------------------
+
+    def _event(self, name: str, **fields) -> dict:
+        event = {"event": name, "t": fields.pop("t", time.time()), **fields}
+        with self._events_lock:
+            self._events.append(event)
+            del self._events[:-1000]  # bounded: a caller that never polls loses the oldest
+        return event
+
+    def poll_events(self) -> list[dict]:
+        with self._events_lock:
+            out, self._events = self._events, []
+        return out
+
+    def truth(self) -> Truth:
+        if self.router is None:
+            return Truth(requests=[])
+        return self.router.truth()
+
+    def logs(self, instance: str, n: int = 50) -> list[str]:
+        return list(self.engines[instance].log)[-n:]
+
+    def pids(self) -> dict[str, int | None]:
+        return {name: proc.pid for name, proc in self.engines.items()}
+
+    def stop_load(self) -> None:
+        """End the load early; engines keep running (and open requests stay open)."""
+        if self.loadgen is not None:
+            self.loadgen.stop()
+
+    @property
+    def load_done(self) -> bool:
+        return self.loadgen is not None and self.loadgen.finished
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class Stack(StackBase):
     def __init__(
         self,
         scenario: str,
@@ -94,6 +177,7 @@ class Stack:
             horizon = duration_s if duration_s is not None else 3600.0
             max_requests = math.ceil(rate * horizon * 1.5) + 10
         self.max_requests = max_requests
+        self._init_common()
         self.engines: dict[str, EngineProcess] = {}  # by instance; TP rank 1 of X is "X/tp1"
         self._tp_ports: dict[str, int] = {}
         self.gpus = gpus
@@ -101,15 +185,7 @@ class Stack:
         self._feed: GpuFeed | None = None
         self._status_dir: Path | None = None
         self.router: Router | None = None
-        self.loadgen: LoadGenerator | None = None
-        self.started_at: float | None = None
-        self._events: list[dict] = []
-        self._events_lock = threading.Lock()
-        self._stop = threading.Event()
-        self._stopped = False
-        self._actions_thread: threading.Thread | None = None
         self._bootstrap_port = 0
-        self._proc_lock = threading.Lock()
 
     # ---- processes ---------------------------------------------------------
 
@@ -190,22 +266,10 @@ class Stack:
                                      rate=self.params.rate, seed=self.seed, duration_s=self.duration_s,
                                      max_requests=self.max_requests)
         self.loadgen.start()
-        self._actions_thread = threading.Thread(target=self._run_actions, name="scenario-actions", daemon=True)
-        self._actions_thread.start()
+        self._start_actions()
         return self
 
     # ---- scenario actions ----------------------------------------------------
-
-    def _run_actions(self) -> None:
-        t0 = time.monotonic()
-        for at_s, action, instance in sorted(self.scenario.actions(self.params)):
-            if self._stop.wait(max(0.0, at_s - (time.monotonic() - t0))):
-                return
-            try:
-                getattr(self, f"_action_{action.replace('-', '_')}")(instance)
-            except Exception as e:
-                log.exception("scenario action %s on %s failed", action, instance)
-                self._event("action_failed", action=action, instance=instance, error=str(e))
 
     def _action_restart(self, instance: str) -> None:
         self.restart(instance)
@@ -230,12 +294,6 @@ class Stack:
         info = proc.wait_ready(self.ready_timeout_s, cancel=self._stop)
         return self._event("restart", instance=instance, t=t, old_agent=old_agent, new_agent=info.get("agent"),
                            ready_after_s=round(time.time() - t, 3))
-
-    def _action_freeze(self, instance: str) -> None:
-        """SIGSTOP the engine's process group: it keeps its sockets and state but runs nothing,
-        heartbeats included (stop() sends SIGCONT first, so it can still exit cleanly)."""
-        self.engines[instance].signal(signal.SIGSTOP)
-        self._event("frozen", instance=instance)
 
     def _action_desync(self, instance: str) -> None:
         """Rank 1 of the instance's TP group stops joining the per-step collective."""
@@ -268,40 +326,6 @@ class Stack:
                 sent += 1
         self._event("burst", sent=sent)
 
-    # ---- what callers read -----------------------------------------------------
-
-    def _event(self, name: str, **fields) -> dict:
-        event = {"event": name, "t": fields.pop("t", time.time()), **fields}
-        with self._events_lock:
-            self._events.append(event)
-            del self._events[:-1000]  # bounded: a caller that never polls loses the oldest
-        return event
-
-    def poll_events(self) -> list[dict]:
-        with self._events_lock:
-            out, self._events = self._events, []
-        return out
-
-    def truth(self) -> Truth:
-        if self.router is None:
-            return Truth(requests=[])
-        return self.router.truth()
-
-    def logs(self, instance: str, n: int = 50) -> list[str]:
-        return list(self.engines[instance].log)[-n:]
-
-    def pids(self) -> dict[str, int | None]:
-        return {name: proc.pid for name, proc in self.engines.items()}
-
-    def stop_load(self) -> None:
-        """End the load early; engines keep running (and open requests stay open)."""
-        if self.loadgen is not None:
-            self.loadgen.stop()
-
-    @property
-    def load_done(self) -> bool:
-        return self.loadgen is not None and self.loadgen.finished
-
     # ---- stop ------------------------------------------------------------------
 
     def stop(self) -> None:
@@ -330,12 +354,5 @@ class Stack:
             shutil.rmtree(self._status_dir, ignore_errors=True)
         _live_stacks.discard(self)
         self._event("stopped")
-
-    def __enter__(self) -> "Stack":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
 
 __all__ = ["Stack", "Truth", "EngineStartError"]

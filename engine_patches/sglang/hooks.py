@@ -61,11 +61,15 @@ def _arrive(lc, req, stage: str) -> None:
     rid = req.rid
     room = req.bootstrap_room
     host = req.bootstrap_host
+    port = req.bootstrap_port
     tp = state.traceparents.pop(rid, None)
     ids = req.origin_input_ids
     probe = is_probe(rid, host)
+    # The prefill's bootstrap address as host:port (the name a decode knows its peer by);
+    # on the prefill side NIXL's transfer request names the decode's agent later.
+    peer = f"{host}:{port}" if host and port else host
     lc.arrive(rid, bootstrap_room=room, traceparent=tp,
-              prompt_tokens=len(ids) if ids is not None else None, peer=host, probe=probe)
+              prompt_tokens=len(ids) if ids is not None else None, peer=peer, probe=probe)
     if room is not None and not probe:
         state.remember_room(room, rid)
     lc.enter(rid, stage)
@@ -266,7 +270,7 @@ def on_prefill_batch_result(original, self, *args, **kwargs):
             for req in self.disagg_prefill_inflight_queue[before:]:
                 rid = req.rid
                 lc.enter(rid, "transfer")
-                lc.transfer_info(rid, backend=backend, peer=req.bootstrap_host)
+                lc.transfer_info(rid, backend=backend)  # the peer: the decode agent NIXL named
         except Exception:
             _counted_error()
     return result
@@ -333,7 +337,7 @@ def on_decode_transfer_extend(result, self, decode_reqs, *args, **kwargs):
         for dreq in decode_reqs:
             req = dreq.req
             lc.enter(req.rid, "transfer")
-            lc.transfer_info(req.rid, backend=backend, peer=req.bootstrap_host)
+            lc.transfer_info(req.rid, backend=backend)
     except Exception:
         _counted_error()
 

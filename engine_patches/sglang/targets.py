@@ -20,7 +20,8 @@ COMMON_MGR = "sglang.srt.disaggregation.common.conn.CommonKVManager"
 TOKENIZER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
 TIME_STATS = "sglang.srt.observability.req_time_stats.APIServerReqTimeStats"
 # What every arriving leg reads off SGLang's Req.
-_REQ_ARRIVAL = ("Req.rid", "Req.bootstrap_room", "Req.bootstrap_host", "Req.origin_input_ids")
+_REQ_ARRIVAL = ("Req.rid", "Req.bootstrap_room", "Req.bootstrap_host", "Req.bootstrap_port",
+                "Req.origin_input_ids")
 NIXL_MGR = "sglang.srt.disaggregation.nixl.conn.NixlKVManager"
 
 
@@ -82,7 +83,7 @@ TARGETS: tuple[Target, ...] = (
     Target(f"{PREFILL}.SchedulerDisaggregationPrefillMixin.process_batch_result_disagg_prefill",
            "around", "on_prefill_batch_result",
            "prefill: prefill -> transfer (joins the inflight queue)", ("self",),
-           ("Scheduler.disagg_prefill_inflight_queue", "Req.rid", "Req.bootstrap_host")),
+           ("Scheduler.disagg_prefill_inflight_queue", "Req.rid")),
     Target(f"{PREFILL}.SchedulerDisaggregationPrefillMixin.handle_bootstrap_failure", "before",
            "on_prefill_bootstrap_failure", "prefill: bootstrap failed or timed out", ("self", "req"),
            ("Req.disagg_kv_sender", "CommonKVSender.kv_mgr", "CommonKVManager.failure_records")),
@@ -96,7 +97,7 @@ TARGETS: tuple[Target, ...] = (
            ("DecodePreallocQueue.queue", "DecodeRequest.req", *_REQ_ARRIVAL)),
     Target(f"{DECODE}.DecodeTransferQueue.extend", "after", "on_decode_transfer_extend",
            "decode: bootstrap -> transfer (KV memory preallocated)", ("self", "decode_reqs"),
-           ("DecodeRequest.req", "Req.bootstrap_host")),
+           ("DecodeRequest.req", "Req.rid")),
     Target(f"{DECODE}.DecodeTransferQueue.add", "after", "on_decode_transfer_add",
            "decode: bootstrap -> transfer (single request)", ("self", "decode_req"), ("DecodeRequest.req",)),
     Target(f"{DECODE}.DecodeTransferQueue.pop_transferred", "after", "on_decode_transferred",

@@ -1,0 +1,70 @@
+"""Scenarios of the live SGLang stack: the emulated testbed's names where the fault exists here.
+
+Each fault happens in SGLang's own code or at its transport boundary, never in
+pdwatch's hooks: a decode process killed and started again, a decode process
+stopped with SIGSTOP, or NIXL writes to one decode that never complete.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+from ..scenarios import Params, Scenario
+
+
+def default_shape(params: Params, rng: random.Random, index: int) -> tuple[int, int]:
+    return rng.randint(16, 128), rng.randint(8, 32)
+
+
+def _long_decode_shape(params: Params, rng: random.Random, index: int) -> tuple[int, int]:
+    prompt, out = default_shape(params, rng, index)
+    if index % 5 == 2:
+        # About 4x the decode floor at the token interval a stream gets here under load.
+        out = min(1800, math.ceil(4 * params.decode_floor_s / params.token_interval_s))
+    return prompt, out
+
+
+SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
+    Scenario("healthy", "steady load through SGLang's router; every request completes", shape=default_shape),
+    Scenario(
+        "long-decode",
+        "like healthy, but every fifth generation runs ~4x the decode stuck floor while producing tokens",
+        shape=_long_decode_shape,
+    ),
+    Scenario(
+        "decode-restart",
+        "decode-0 is killed at restart_at and started again alone, on the same ports, while the prefill "
+        "stays up; the prefill keeps its old NIXL peer entry. SGLang 0.5.23 heals: the legs in flight "
+        "end failed, later requests complete",
+        shape=default_shape,
+        actions=lambda params: [(params.restart_at, "restart", "decode-0")],
+    ),
+    Scenario(
+        "freeze-decode",
+        "decode-0 is SIGSTOPped at restart_at (continued when the stack stops): no heartbeats, the prefill "
+        "legs routed to it wait in bootstrap or transfer while decode-1 keeps serving",
+        shape=default_shape,
+        actions=lambda params: [(params.restart_at, "freeze", "decode-0")],
+        expects_stuck=True,
+        family="engine_silent",
+    ),
+    Scenario(
+        "transfer-wedge",
+        "from restart_at the prefill's NIXL writes to decode-0 never complete (the transport answers PROC "
+        "for ever): SGLang's KV sender keeps polling, the prefill leg stays in its inflight queue and the "
+        "decode leg waits for KV, while requests to decode-1 keep completing",
+        shape=default_shape,
+        actions=lambda params: [(params.restart_at, "wedge", "decode-0")],
+        expects_stuck=True,
+        family="transfer_wedge",
+    ),
+)}
+
+
+def get(name: str) -> Scenario:
+    try:
+        return SCENARIOS[name]
+    except KeyError:
+        raise ValueError(f"unknown scenario {name!r} for --engine sglang "
+                         f"(choose from {', '.join(sorted(SCENARIOS))})") from None

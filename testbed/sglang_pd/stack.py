@@ -1,0 +1,265 @@
+"""The live SGLang PD stack: one prefill, one or two decodes, SGLang's router, load and faults.
+
+    stack = SglangStack("transfer-wedge", otlp_endpoint="http://127.0.0.1:4318")
+    stack.start()          # returns once every server answers through the router (about a minute here)
+    stack.poll_events()    # [{"event": "wedge", "instance": "decode-0", "agent": ..., "t": ...}, ...]
+    stack.truth()          # what the client saw of every request
+    stack.stop()           # bounded, leaves no process behind
+
+The prefill starts first and alone: on two cores, a prefill that starts beside
+a decode can miss its own bootstrap server's registration window, and then
+every request hangs in bootstrap (seen here). The decodes follow together.
+"""
+
+from __future__ import annotations
+
+import atexit
+import http.client
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+import weakref
+from pathlib import Path
+
+from ..processes import EngineStartError, free_port
+from ..router import LoadGenerator
+from ..scenarios import Params
+from ..stack import StackBase
+from . import scenarios
+from .client import RouterClient
+from .model import write_model
+from .servers import BASE_ENV, ServerPorts, SglangRouter, SglangServer
+
+_live: "weakref.WeakSet[SglangStack]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for stack in list(_live):
+        stack.stop()
+
+
+class SglangStack(StackBase):
+    def __init__(
+        self,
+        scenario: str,
+        otlp_endpoint: str = "http://127.0.0.1:4318",
+        heartbeat_s: float = 1.0,
+        rate: float = 2.0,
+        restart_at: float = 10.0,
+        seed: int = 1,
+        decode_floor_s: float = 30.0,
+        cluster: str = "default",
+        duration_s: float | None = None,
+        traceparent: bool = True,
+        *,
+        decodes: int = 2,
+        token_interval_s: float = 0.02,
+        max_requests: int | None = None,
+        ready_timeout_s: float = 240.0,
+        stop_timeout_s: float = 15.0,
+        context_length: int = 2048,
+        plugin: bool = True,
+    ):
+        self.scenario = scenarios.get(scenario)
+        for name, value in (("heartbeat_s", heartbeat_s), ("rate", rate), ("decode_floor_s", decode_floor_s),
+                            ("token_interval_s", token_interval_s), ("ready_timeout_s", ready_timeout_s)):
+            if not value > 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if restart_at < 0:
+            raise ValueError(f"restart_at must not be negative, got {restart_at}")
+        if duration_s is not None and not duration_s > 0:
+            raise ValueError(f"duration_s must be positive or None, got {duration_s}")
+        if decodes not in (1, 2):
+            raise ValueError(f"decodes must be 1 or 2 on this machine, got {decodes}")
+        if any(a[2] == "decode-0" for a in self.scenario.actions(Params())) and decodes < 2:
+            raise ValueError(f"scenario {scenario!r} faults decode-0 while others flow: it needs 2 decodes")
+        if not otlp_endpoint.startswith(("http://127.0.0.1", "http://localhost", "http://[::1]")):
+            raise ValueError(f"otlp_endpoint must be a loopback http URL, got {otlp_endpoint!r}")
+        self.params = Params(rate=rate, restart_at=restart_at, decode_floor_s=decode_floor_s,
+                             token_interval_s=token_interval_s)
+        self.otlp_endpoint = otlp_endpoint
+        self.heartbeat_s = heartbeat_s
+        self.cluster = cluster
+        self.seed = seed
+        self.duration_s = duration_s
+        self.traceparent = traceparent
+        self.decode_names = [f"decode-{i}" for i in range(decodes)]
+        self.ready_timeout_s = ready_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self.context_length = context_length
+        self.plugin = plugin
+        if max_requests is None:
+            horizon = duration_s if duration_s is not None else 3600.0
+            max_requests = math.ceil(rate * horizon * 1.5) + 10
+        self.max_requests = max_requests
+        self._init_common()
+        self._dir: Path | None = None
+        self.servers: dict[str, SglangServer] = {}
+        self.sglang_router: SglangRouter | None = None
+
+    # ---- processes ---------------------------------------------------------
+
+    @property
+    def state_dir(self) -> Path:
+        assert self._dir is not None, "the stack is not started"
+        return self._dir / "state"
+
+    def _env(self, instance: str) -> dict[str, str]:
+        env = {
+            **BASE_ENV,
+            "PDWATCH_TESTBED_STATE_DIR": str(self.state_dir),
+            "PDWATCH_CLUSTER": self.cluster,
+            "PDWATCH_INSTANCE": instance,
+            "PDWATCH_HEARTBEAT_S": str(self.heartbeat_s),
+            "OTEL_EXPORTER_OTLP_ENDPOINT": self.otlp_endpoint,
+            # pdwatch's plugin and the testbed's CPU support; nothing else SGLang may find.
+            "SGLANG_PLUGINS": "pdwatch,pdwatch_testbed_cpu" if self.plugin else "pdwatch_testbed_cpu",
+        }
+        if self.plugin:
+            env["PDWATCH_SGLANG"] = "1"
+        return env
+
+    def _server(self, instance: str, role: str, ports: ServerPorts) -> SglangServer:
+        server = SglangServer(instance, role, self._dir / "model", ports, self._env(instance),
+                              context_length=self.context_length, max_total_tokens=4 * self.context_length,
+                              max_running=16)
+        self.servers[instance] = self.engines[instance] = server
+        return server
+
+    def start(self) -> "SglangStack":
+        if self.started_at is not None:
+            raise RuntimeError("SglangStack.start() was already called")
+        _live.add(self)
+        self.started_at = time.time()
+        try:
+            self._dir = Path(tempfile.mkdtemp(prefix="pdwatch-sglang-"))
+            self.state_dir.mkdir()
+            write_model(self._dir / "model")
+            prefill = self._server("prefill-0", "prefill", ServerPorts(free_port(), free_port(), free_port()))
+            self._start_servers([prefill])
+            decodes = [self._server(name, "decode", ServerPorts(free_port(), free_port()))
+                       for name in self.decode_names]
+            self._start_servers(decodes)
+            router = SglangRouter(free_port(), free_port(), prefill, decodes, {**BASE_ENV})
+            self.sglang_router = self.engines["router"] = router
+            router.spawn()
+            self._wait_router(router)
+        except BaseException:
+            self.stop()
+            raise
+        self.router = RouterClient(self.sglang_router.port, seed=self.seed, traceparent=self.traceparent)
+        self._event("ready", instances=self.agents(), startup_s=round(time.time() - self.started_at, 3))
+        self.loadgen = LoadGenerator(self.router, lambda rng, i: self.scenario.shape(self.params, rng, i),
+                                     rate=self.params.rate, seed=self.seed, duration_s=self.duration_s,
+                                     max_requests=self.max_requests)
+        self.loadgen.start()
+        self._start_actions()
+        return self
+
+    def _start_servers(self, servers: list[SglangServer]) -> None:
+        for server in servers:
+            server.spawn()
+        for server in servers:
+            server.wait_ready(self.ready_timeout_s, cancel=self._stop)
+            if server.registration_failed():
+                raise EngineStartError(f"{server.instance} came up without its bootstrap registration:\n"
+                                       + server.tail())
+
+    def _wait_router(self, router: SglangRouter) -> None:
+        """Ready when one request goes through the router to both legs and back."""
+        deadline = time.monotonic() + self.ready_timeout_s
+        body = json.dumps({"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 1}})
+        last = "no answer"
+        while time.monotonic() < deadline and not self._stop.is_set():
+            if not router.alive():
+                raise EngineStartError("SGLang's router exited before it was ready:\n" + router.tail())
+            conn = http.client.HTTPConnection("127.0.0.1", router.port, timeout=30)
+            try:
+                conn.request("POST", "/generate", body=body, headers={"Content-Type": "application/json"})
+                resp = conn.getresponse()
+                text = resp.read()
+                if resp.status == 200:
+                    router.mark_ready()
+                    return
+                last = f"HTTP {resp.status}: {text[:200]!r}"
+            except OSError as e:
+                last = f"{type(e).__name__}: {e}"
+            finally:
+                conn.close()
+            time.sleep(0.5)
+        raise EngineStartError(f"SGLang's router not serving after {self.ready_timeout_s:.0f} s ({last}):\n"
+                               + router.tail())
+
+    def agents(self) -> dict[str, str | None]:
+        """Each server's current NIXL agent name, as its KV manager reported it."""
+        out = {}
+        for name in self.servers:
+            try:
+                out[name] = json.loads((self.state_dir / f"agent-{name}.json").read_text())["agent"]
+            except (OSError, ValueError, KeyError):
+                out[name] = None
+        return out
+
+    # ---- scenario actions ----------------------------------------------------
+
+    def _action_restart(self, instance: str) -> None:
+        self.restart(instance)
+
+    def restart(self, instance: str) -> dict:
+        """Kill a decode (SIGKILL) and start it again alone, on the same ports, with a new NIXL agent."""
+        server = self.servers[instance]
+        if server.role != "decode":
+            raise ValueError("only decode servers are restarted by the testbed")
+        with self._proc_lock:
+            if self._stopped:
+                raise RuntimeError("the stack is stopped")
+            old_agent = self.agents().get(instance)
+            t = time.time()
+            server.kill()
+            if self.router is not None:
+                self.router.note_restart(instance, t)
+            self._event("killed", instance=instance, t=t, agent=old_agent)
+            server.spawn()
+        server.wait_ready(self.ready_timeout_s, cancel=self._stop)
+        return self._event("restart", instance=instance, t=t, old_agent=old_agent,
+                           new_agent=self.agents().get(instance), ready_after_s=round(time.time() - t, 3))
+
+    def _action_wedge(self, instance: str) -> None:
+        """From now on the prefill's NIXL writes to this decode's agent never complete."""
+        path = self.state_dir / "faults.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"wedge_instances": [instance]}))
+        os.replace(tmp, path)
+        self._event("wedge", instance=instance, agent=self.agents().get(instance))
+
+    # ---- stop ------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Stop load, router and servers within about stop_timeout_s; idempotent."""
+        with self._proc_lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        self._stop.set()
+        if self.loadgen is not None:
+            self.loadgen.stop()
+        if self.router is not None:
+            self.router.close()
+        if self._actions_thread is not None:
+            self._actions_thread.join(self.stop_timeout_s)
+        for proc in self.engines.values():
+            proc.begin_stop()
+        deadline = time.monotonic() + self.stop_timeout_s
+        for proc in self.engines.values():
+            proc.finish_stop(deadline)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+        _live.discard(self)
+        self._event("stopped")
+
+
+__all__ = ["SglangStack", "EngineStartError"]
