@@ -25,7 +25,9 @@ class Leg:
     prompt_tokens: int = -1  # -1: unknown
     stage: str | None = None
     stage_since_ns: int = 0
-    stage_attrs: dict = field(default_factory=dict)
+    # Transfer detail (bytes, backend), kept until the transfer stage ends: SGLang queues KV
+    # chunks while the leg is still in prefill, before it enters transfer.
+    xfer_attrs: dict = field(default_factory=dict)
     tokens: int = 0
     last_token_ns: int = 0
     probe: bool = False  # the engine's own warm-up or health check
@@ -119,15 +121,14 @@ class LegTable:
         done = self._close_stage(leg, ts, None)
         leg.stage = stage
         leg.stage_since_ns = ts
-        leg.stage_attrs = {}
         return done
 
     def transfer_info(self, rid: str, ts: int, nbytes, backend, peer) -> None:
         leg = self._leg(rid, ts)
         if nbytes is not None:
-            leg.stage_attrs[c.A_XFER_BYTES] = int(nbytes)
+            leg.xfer_attrs[c.A_XFER_BYTES] = int(nbytes)
         if backend:
-            leg.stage_attrs[c.A_XFER_BACKEND] = str(backend)
+            leg.xfer_attrs[c.A_XFER_BACKEND] = str(backend)
         if peer:
             leg.peer = str(peer)
 
@@ -158,7 +159,8 @@ class LegTable:
     def _close_stage(self, leg: Leg, ts: int, error: str | None) -> list:
         if leg.stage is None:
             return []
-        return [StageDone(leg, leg.stage, leg.stage_since_ns, ts, leg.stage_attrs, error)]
+        attrs = leg.xfer_attrs if leg.stage == "transfer" else {}
+        return [StageDone(leg, leg.stage, leg.stage_since_ns, ts, attrs, error)]
 
     def inventory(self, limit: int) -> dict:
         """Heartbeat attributes describing what is open, oldest stage entry first."""

@@ -1,8 +1,12 @@
 """`pdwatch demo`: the brief's incident in the testbed, watched by pdwatch end to end.
 
 Starts `pdwatch serve` on a free loopback port, Prometheus and Alertmanager
-with the repository's rules and routes, and the testbed (prefill and two
-decodes over NIXL) exporting to the sidecar. It prints live progress; once the
+with the repository's rules and routes, and a testbed exporting to the
+sidecar: --engine emulated (the default) runs pdwatch's own prefill and two
+decodes over NIXL, where decode-0 is restarted alone; --engine sglang runs
+real SGLang servers and SGLang's router on this CPU, where the prefill's NIXL
+writes to decode-0 stop completing (the request pinned in SGLang's inflight
+queue). It prints live progress; once the
 sidecar reports stuck legs while other requests keep completing, it prints
 them next to the testbed's own ground truth, then the diagnosis, then waits
 for the page to reach the webhook. Exit status 0 means pdwatch caught exactly
@@ -18,8 +22,11 @@ import time
 
 from pdwatch.sidecar_process import SidecarProcess
 
-SCENARIOS_EXPECTING_STUCK = {"decode-restart"}
+SCENARIOS_EXPECTING_STUCK = {"decode-restart", "transfer-wedge"}
 HEADLINE = "PDRequestStuckWhileOthersFlow"
+# Per engine: the incident scenario, and the events that mark its fault.
+INCIDENT = {"emulated": "decode-restart", "sglang": "transfer-wedge"}
+FAULT_EVENTS = ("killed", "wedge")
 
 
 def _progress_line(t: float, summary: dict, stuck: list) -> str:
@@ -58,11 +65,14 @@ def _ok_count(summary: dict) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pdwatch demo", description=__doc__.splitlines()[0])
-    ap.add_argument("--scenario", default="decode-restart",
-                    help="testbed scenario (default decode-restart: the incident)")
-    ap.add_argument("--rate", type=float, default=4.0, help="requests per second (default 4)")
+    ap.add_argument("--engine", default="emulated", choices=sorted(INCIDENT),
+                    help="emulated: pdwatch's own testbed engines (the default); sglang: real SGLang servers "
+                         "and router on this CPU (about a minute more to start)")
+    ap.add_argument("--scenario", default=None,
+                    help="testbed scenario (default: the incident, decode-restart emulated, transfer-wedge sglang)")
+    ap.add_argument("--rate", type=float, default=None, help="requests per second (default 4 emulated, 2 sglang)")
     ap.add_argument("--restart-at", type=float, default=8.0,
-                    help="seconds after start when decode-0 is restarted alone (default 8)")
+                    help="seconds after the load starts when the fault happens (default 8)")
     ap.add_argument("--heartbeat-s", type=float, default=1.0, help="engine heartbeat interval (default 1)")
     ap.add_argument("--floor-transfer-s", type=float, default=15.0,
                     help="stuck floor of the transfer stage (default 15, the contract's)")
@@ -79,14 +89,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from testbed.stack import Stack  # imports numpy and NIXL; keep --help fast
-
+    sglang = args.engine == "sglang"
+    args.scenario = args.scenario or INCIDENT[args.engine]
+    args.rate = args.rate if args.rate is not None else (2.0 if sglang else 4.0)
     expect_stuck = args.scenario in SCENARIOS_EXPECTING_STUCK
     env = {"PDWATCH_FLOOR_TRANSFER_S": str(args.floor_transfer_s), "PDWATCH_LOG_LEVEL": "warning"}
-    gpus = _gpu_emulation()
+    # The live servers drive no emulated GPU; the emulated engines do, behind the NVML stub.
+    gpus = None if sglang else _gpu_emulation()
     if gpus is not None:
         env.update(gpus.env())
-    print(f"pdwatch demo: scenario {args.scenario}, transfer floor {args.floor_transfer_s:.0f} s")
+    print(f"pdwatch demo: {args.engine} engine, scenario {args.scenario}, "
+          f"transfer floor {args.floor_transfer_s:.0f} s")
     with SidecarProcess(env=env) as sidecar:
         print(f"sidecar listening on {sidecar.url}")
         monitoring = None
@@ -100,15 +113,22 @@ def main(argv: list[str] | None = None) -> int:
             except MonitoringError as exc:
                 print(f"FAIL: cannot start Prometheus and Alertmanager: {exc}")
                 return 1
-        stack = Stack(
-            args.scenario,
-            otlp_endpoint=sidecar.url,
-            heartbeat_s=args.heartbeat_s,
-            rate=args.rate,
-            restart_at=args.restart_at,
-            seed=args.seed,
-            gpus=gpus,
-        )
+        common = dict(otlp_endpoint=sidecar.url, heartbeat_s=args.heartbeat_s, rate=args.rate,
+                      restart_at=args.restart_at, seed=args.seed)
+        try:
+            if sglang:
+                from testbed.sglang_pd.stack import SglangStack
+
+                stack = SglangStack(args.scenario, **common)
+                print("starting SGLang's prefill, two decodes and its router with pdwatch's plugin "
+                      "(about a minute on two cores) ...", flush=True)
+            else:
+                from testbed.stack import Stack  # imports numpy and NIXL; keep --help fast
+
+                stack = Stack(args.scenario, gpus=gpus, **common)
+        except ValueError as exc:
+            print(f"pdwatch demo: {exc}", file=sys.stderr)
+            return 2
         try:
             stack.start()
             return _watch(args, stack, sidecar, monitoring, expect_stuck)
@@ -138,11 +158,14 @@ def _watch(args, stack, sidecar, monitoring, expect_stuck: bool) -> int:
     while time.monotonic() - t0 < args.timeout_s:
         time.sleep(1.0)
         for event in stack.poll_events():
-            if event.get("event") == "killed" and fault_at is None:
+            if event.get("event") in FAULT_EVENTS and fault_at is None:
                 fault_at = event["t"]
             if event.get("event") == "restart":
                 print(f"--- testbed: {event.get('instance', 'decode-0')} restarted alone "
                       f"(new NIXL agent; prefill keeps its bootstrap state) ---")
+            if event.get("event") == "wedge":
+                print(f"--- testbed: from now on the prefill's NIXL writes to {event['instance']} "
+                      f"(agent {event.get('agent')}) never complete ---")
         summary = sidecar.get("/api/v1/summary")
         stuck = sidecar.get("/api/v1/stuck")
         now = time.monotonic() - t0
@@ -162,7 +185,7 @@ def _watch(args, stack, sidecar, monitoring, expect_stuck: bool) -> int:
         print(f"OK: scenario {args.scenario}: {_ok_count(summary)} legs finished, nothing stuck")
         return 0
     if detected_at is None:
-        why = "the testbed never restarted decode-0" if fault_at is None else "no leg was reported stuck"
+        why = "the testbed's fault never happened" if fault_at is None else "no leg was reported stuck"
         print(f"FAIL: nothing detected within {args.timeout_s:.0f} s ({why})")
         return 1
     flowed = _ok_count(summary) - ok_at_detection
@@ -170,12 +193,15 @@ def _watch(args, stack, sidecar, monitoring, expect_stuck: bool) -> int:
     print(f"Stuck legs ({len(stuck)}), as /api/v1/stuck reports them:")
     print(_stuck_table(stuck))
     truth = stack.truth()
-    hung = {r.trace_id: r for r in truth.outstanding_after_restart()}
+    # The emulated router knows each request's decode; SGLang's router does not say, so there
+    # every request sent after the fault and still open counts (those on decode-1 end fast).
+    hung = {r.trace_id: r for r in (truth.outstanding_after_restart() if truth.restarts else
+                                    [r for r in truth.open if fault_at is not None and r.sent_at >= fault_at])}
     reported = {s["trace_id"] for s in stuck}
     wall = time.time()
     young = {t for t, r in hung.items() if wall - r.sent_at < args.floor_transfer_s + 2 * args.heartbeat_s}
     print()
-    print(f"testbed ground truth: {len(hung)} request(s) hung after the restart; pdwatch names {len(reported & hung.keys())} "
+    print(f"testbed ground truth: {len(hung)} request(s) hung after the fault; pdwatch names {len(reported & hung.keys())} "
           f"of them on both legs, {len(reported - hung.keys())} other(s); {len(young - reported)} more are still younger "
           f"than the {args.floor_transfer_s:.0f} s floor")
     print(f"legs that finished ok after the first detection: {flowed}")
@@ -209,7 +235,7 @@ def _await_page(args, stack, sidecar, monitoring, fault_at) -> int:
         pages = monitoring.webhook.alerts(HEADLINE)
         if pages:
             t, path, alert = pages[0]
-            print(f"PAGE received at the webhook {path}, {t - fault_at:.0f} s after decode-0 was restarted:")
+            print(f"PAGE received at the webhook {path}, {t - fault_at:.0f} s after the fault:")
             for key, value in sorted(alert["labels"].items()):
                 print(f"  {key}={value}")
             notes = alert["annotations"]

@@ -65,9 +65,9 @@ def _arrive(lc, req, stage: str) -> None:
     tp = state.traceparents.pop(rid, None)
     ids = req.origin_input_ids
     probe = is_probe(rid, host)
-    # The prefill's bootstrap address as host:port (the name a decode knows its peer by);
-    # on the prefill side NIXL's transfer request names the decode's agent later.
-    peer = f"{host}:{port}" if host and port else host
+    # A decode knows its peer by the prefill's bootstrap address, host:port. A prefill leg's
+    # request names the prefill's own address; its peer is the decode agent NIXL names later.
+    peer = (f"{host}:{port}" if host and port else host) if state.role == "decode" else None
     lc.arrive(rid, bootstrap_room=room, traceparent=tp,
               prompt_tokens=len(ids) if ids is not None else None, peer=peer, probe=probe)
     if room is not None and not probe:

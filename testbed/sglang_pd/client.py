@@ -15,6 +15,7 @@ import json
 import logging
 import random
 import threading
+from dataclasses import replace
 import time
 
 from pdwatch import contract as c
@@ -89,6 +90,8 @@ class RouterClient:
             conn.close()
 
     def _answer(self, rec: RequestRecord, status: int, data: bytes) -> None:
+        if self._closed:
+            return  # an answer the stack's own stop caused: the request stays open in the truth
         try:
             doc = json.loads(data)
         except ValueError:
@@ -116,7 +119,8 @@ class RouterClient:
 
     def truth(self) -> Truth:
         with self._lock:
-            return Truth(requests=list(self.records), restarts=list(self.restarts))
+            # Copies: a request still open now stays open in this truth, whatever comes later.
+            return Truth(requests=[replace(r) for r in self.records], restarts=list(self.restarts))
 
     def close(self) -> None:
         """Stop sending; requests still waiting keep their open place in the truth."""

@@ -17,11 +17,17 @@ def default_shape(params: Params, rng: random.Random, index: int) -> tuple[int, 
     return rng.randint(16, 128), rng.randint(8, 32)
 
 
+def _in_flight_shape(params: Params, rng: random.Random, index: int) -> tuple[int, int]:
+    # Generations of a second or two, so that some are in flight when the fault strikes.
+    return rng.randint(16, 128), rng.randint(64, 256)
+
+
 def _long_decode_shape(params: Params, rng: random.Random, index: int) -> tuple[int, int]:
     prompt, out = default_shape(params, rng, index)
     if index % 5 == 2:
-        # About 4x the decode floor at the token interval a stream gets here under load.
-        out = min(1800, math.ceil(4 * params.decode_floor_s / params.token_interval_s))
+        # About 4x the decode floor at params.token_interval_s per token; the stack's context
+        # length must hold it (SglangStack(context_length=...)).
+        out = min(7000, math.ceil(4 * params.decode_floor_s / params.token_interval_s))
     return prompt, out
 
 
@@ -35,9 +41,10 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario(
         "decode-restart",
         "decode-0 is killed at restart_at and started again alone, on the same ports, while the prefill "
-        "stays up; the prefill keeps its old NIXL peer entry. SGLang 0.5.23 heals: the legs in flight "
-        "end failed, later requests complete",
-        shape=default_shape,
+        "stays up; the prefill keeps its old NIXL peer entry. The legs in flight at the kill end failed; "
+        "requests routed to decode-0 while it is down wait in the prefill's bootstrap until SGLang's "
+        "300 s bootstrap timeout; once it is back, new requests complete",
+        shape=_in_flight_shape,
         actions=lambda params: [(params.restart_at, "restart", "decode-0")],
     ),
     Scenario(

@@ -63,6 +63,7 @@ class SglangStack(StackBase):
         stop_timeout_s: float = 15.0,
         context_length: int = 2048,
         plugin: bool = True,
+        load: bool = True,
     ):
         self.scenario = scenarios.get(scenario)
         for name, value in (("heartbeat_s", heartbeat_s), ("rate", rate), ("decode_floor_s", decode_floor_s),
@@ -92,6 +93,7 @@ class SglangStack(StackBase):
         self.stop_timeout_s = stop_timeout_s
         self.context_length = context_length
         self.plugin = plugin
+        self.load = load  # False: no load generator; the caller sends requests (benchmarks)
         if max_requests is None:
             horizon = duration_s if duration_s is not None else 3600.0
             max_requests = math.ceil(rate * horizon * 1.5) + 10
@@ -153,6 +155,8 @@ class SglangStack(StackBase):
             raise
         self.router = RouterClient(self.sglang_router.port, seed=self.seed, traceparent=self.traceparent)
         self._event("ready", instances=self.agents(), startup_s=round(time.time() - self.started_at, 3))
+        if not self.load:
+            return self
         self.loadgen = LoadGenerator(self.router, lambda rng, i: self.scenario.shape(self.params, rng, i),
                                      rate=self.params.rate, seed=self.seed, duration_s=self.duration_s,
                                      max_requests=self.max_requests)

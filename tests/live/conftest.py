@@ -1,0 +1,137 @@
+"""The live SGLang PD pair, the testbed of record: shared pieces for its tests.
+
+One `pdwatch serve` (forwarding lifecycle spans to an OTLP receiver the tests
+read), Debian's Prometheus and Alertmanager on the repository's rules, and one
+live stack at a time (it takes most of both cores). Each scenario runs as its
+own cluster, watched by a poller that keeps every answer of the sidecar's API.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+import time
+from dataclasses import dataclass, field
+
+import pytest
+
+from pdwatch.sidecar_process import SidecarProcess
+from tests.support.otlp_receiver import OtlpReceiver
+
+HEARTBEAT_S = 1.0
+FLOORS_S = {"bootstrap": 10.0, "queued": 20.0, "prefill": 20.0, "transfer": 5.0, "decode": 5.0}
+FLOW_WINDOW_S = 60.0
+POLL_S = 0.5
+
+
+def _missing() -> str | None:
+    for module in ("sglang", "sglang_router", "nixl"):
+        if importlib.util.find_spec(module) is None:
+            return f"{module} is not installed (make test installs requirements-sglang.txt)"
+    return None
+
+
+@pytest.fixture(scope="session")
+def live_world():
+    """A sidecar, its trace store stand-in, and Prometheus + Alertmanager, for every live module."""
+    reason = _missing()
+    if reason:
+        pytest.skip(reason)
+    from pdwatch.monitoring import Monitoring
+
+    env = {f"PDWATCH_FLOOR_{stage.upper()}_S": str(s) for stage, s in FLOORS_S.items()}
+    with OtlpReceiver() as receiver:
+        env.update({"PDWATCH_FORWARD_OTLP_ENDPOINT": receiver.url, "PDWATCH_LOG_LEVEL": "warning",
+                    "PDWATCH_EVALUATE_INTERVAL_S": "0.25", "PDWATCH_NVML": "off"})
+        with SidecarProcess(env=env) as sidecar, Monitoring([sidecar.url]) as monitoring:
+            yield World(sidecar, receiver, monitoring)
+
+
+@dataclass
+class World:
+    sidecar: SidecarProcess
+    receiver: OtlpReceiver
+    monitoring: object
+
+
+@dataclass
+class Run:
+    """What one live scenario showed: the sidecar's answers over time, events, and the client's truth."""
+
+    cluster: str
+    stack: object
+    polls: list[dict] = field(default_factory=list)  # {"t", "stuck", "diagnosis"} for this cluster
+    events: list[dict] = field(default_factory=list)
+    truth: object = None
+    summary: dict = field(default_factory=dict)  # /api/v1/summary just before the stack stopped
+    metrics: str = ""  # /metrics then
+    logs: dict = field(default_factory=dict)  # each server's last log lines then
+    agents: dict = field(default_factory=dict)  # each server's NIXL agent name then
+
+    def event(self, name: str) -> dict | None:
+        return next((e for e in self.events if e["event"] == name), None)
+
+    def first(self, predicate) -> dict | None:
+        return next((p for p in self.polls if predicate(p)), None)
+
+    def stuck_ever(self) -> list[dict]:
+        return [leg for p in self.polls for leg in p["stuck"]]
+
+    def families(self) -> set[str]:
+        return {d["family"] for p in self.polls for d in p["diagnosis"]}
+
+
+class Poller:
+    """Reads /api/v1/stuck and /api/v1/diagnosis every POLL_S for one cluster, on a thread."""
+
+    def __init__(self, sidecar: SidecarProcess, run: Run):
+        self.sidecar, self.run = sidecar, run
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="live-poller", daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(POLL_S):
+            try:
+                stuck = [s for s in self.sidecar.get("/api/v1/stuck") if s["cluster"] == self.run.cluster]
+                diagnosis = [d for d in self.sidecar.get("/api/v1/diagnosis")
+                             if d["cluster"] == self.run.cluster and d.get("family")]
+            except Exception:
+                continue
+            self.run.polls.append({"t": time.time(), "stuck": stuck, "diagnosis": diagnosis})
+            self.run.events.extend(self.run.stack.poll_events())
+
+    def __enter__(self) -> "Poller":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def run_live(world: World, scenario: str, *, seconds: float, until=None, **stack_args) -> Run:
+    """Start the scenario's live stack as cluster live-<scenario>, watch it for `seconds` of load
+    (or until `until(run)` holds), then stop it. The stack's events and truth stay in the Run."""
+    from testbed.sglang_pd.stack import SglangStack
+
+    cluster = f"live-{scenario}"
+    stack = SglangStack(scenario, otlp_endpoint=world.sidecar.url, heartbeat_s=HEARTBEAT_S, cluster=cluster,
+                        duration_s=seconds, decode_floor_s=FLOORS_S["decode"], **stack_args)
+    run = Run(cluster, stack)
+    try:
+        stack.start()
+        with Poller(world.sidecar, run):
+            deadline = time.monotonic() + seconds + 5
+            while time.monotonic() < deadline:
+                if until is not None and until(run):
+                    break
+                time.sleep(POLL_S)
+        run.events.extend(stack.poll_events())
+        run.truth = stack.truth()
+        run.summary = world.sidecar.get("/api/v1/summary")
+        run.metrics = world.sidecar.client.get("/metrics").text
+        run.logs = {name: stack.logs(name, 400) for name in stack.engines}
+        run.agents = stack.agents()
+    finally:
+        stack.stop()
+    return run

@@ -1,0 +1,346 @@
+"""pdwatch on a live SGLang 0.5.23 PD stack: the plugin's tests of record.
+
+Real `sglang.launch_server` prefill and decode servers on this CPU (tiny model,
+random weights, KV over NIXL on loopback) with pdwatch's plugin loaded by
+SGLang's own `load_plugins()`, SGLang's router in front, a real `pdwatch
+serve`, Prometheus and Alertmanager. One stack at a time, one per scenario;
+about 10 minutes in all on two cores.
+
+What the hand-built tests in tests/engine_patches/sglang still cover, and why,
+is listed at the top of test_plugin_behaviour.py.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdwatch import contract as c
+
+from .conftest import FLOORS_S, HEARTBEAT_S, run_live
+
+pytestmark = [pytest.mark.integration, pytest.mark.live]
+
+HEADLINE = "PDRequestStuckWhileOthersFlow"
+
+
+def samples(metrics: str, name: str, **labels) -> list[float]:
+    out = []
+    for family in text_string_to_metric_families(metrics):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                out.append(s.value)
+    return out
+
+
+def instances(run) -> dict[str, dict]:
+    return {i["pd_instance"]: i for i in run.summary["instances"] if i["cluster"] == run.cluster}
+
+
+def hook_errors(run) -> dict[str, int]:
+    return {name: rank["engine"].get("pdwatch.recorder.hook_errors", 0)
+            for name, inst in instances(run).items() for rank in inst["ranks"]}
+
+
+def post_generate(port: int, body: dict, headers: dict | None = None, timeout_s: float = 120) -> dict:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+    try:
+        conn.request("POST", "/generate", body=json.dumps(body),
+                     headers={"Content-Type": "application/json", **(headers or {})})
+        resp = conn.getresponse()
+        assert resp.status == 200, resp.read()[:300]
+        return json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+def ok_after(run, t: float) -> list:
+    return [r for r in run.truth.requests if r.outcome == "ok" and r.sent_at >= t]
+
+
+# ---- healthy: the contract from the real loop ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def healthy(live_world):
+    extra = {}
+
+    def side_requests(run) -> bool:
+        # Once, early: three requests without a traceparent (joined by the room), and one long
+        # generation whose open decode leg must show up, with tokens, from heartbeat inventories.
+        if not extra:
+            port = run.stack.sglang_router.port
+            extra["no_traceparent"] = [post_generate(port, {"input_ids": [7, 8, 9, 10 + i],
+                                                            "sampling_params": {"max_new_tokens": 4}})
+                                       for i in range(3)]
+            extra["long"] = run.stack.router.send(48, 1500)
+            extra["long_seen_open"] = None
+        elif extra["long_seen_open"] is None and extra["long"] is not None:
+            r = live_world.sidecar.client.get(f"/api/v1/requests/{extra['long'].trace_id}")
+            for leg in r.json().get("legs", []) if r.status_code == 200 else ():
+                if leg["role"] == "decode" and leg["state"] == "open" and leg.get("stage") == "decode" \
+                        and leg["tokens"] > 0:
+                    extra["long_seen_open"] = leg
+        return False
+
+    run = run_live(live_world, "healthy", seconds=30.0, rate=2.0, until=side_requests)
+    return run, extra, live_world
+
+
+def test_both_roles_finish_ok_nothing_stuck_every_instance_up(healthy):
+    run, _extra, _world = healthy
+    assert run.truth.requests and all(r.outcome == "ok" for r in run.truth.requests if r.done_at), \
+        [(r.outcome, r.reason) for r in run.truth.requests if r.outcome != "ok"][:5]
+    assert not run.stuck_ever(), run.stuck_ever()[:3]
+    assert not run.families(), run.families()
+    insts = instances(run)
+    assert set(insts) == {"prefill-0", "decode-0", "decode-1"} and all(i["up"] for i in insts.values())
+    finished = run.summary["clusters"][run.cluster]["finished"]
+    assert finished["prefill"].get("ok", 0) >= 20 and finished["decode"].get("ok", 0) >= 20, finished
+
+
+def test_no_hook_error_on_any_rank(healthy):
+    run, _extra, _world = healthy
+    errors = hook_errors(run)
+    assert errors and all(n == 0 for n in errors.values()), errors
+
+
+def test_legs_share_the_clients_traceparent_and_walk_the_contract_stages(healthy):
+    run, _extra, world = healthy
+    done = [r for r in run.truth.requests if r.outcome == "ok" and r.traceparent]
+    assert len(done) >= 10
+    _, parent = c.parse_traceparent(done[0].traceparent)
+    checked = 0
+    for rec in done[:10]:
+        detail = world.sidecar.get(f"/api/v1/requests/{rec.trace_id}")
+        legs = {leg["role"]: leg for leg in detail["legs"]}
+        assert set(legs) == {"prefill", "decode"}, detail
+        assert legs["prefill"]["bootstrap_room"] == legs["decode"]["bootstrap_room"]
+        for role, leg in legs.items():
+            assert leg["outcome"] == "ok"
+            assert [s["stage"] for s in leg["stages"]] == list(c.STAGES[role]), (role, leg["stages"])
+        checked += 1
+    assert checked == 10
+    # The leg spans the sidecar forwarded are children of the client's span.
+    leg_spans = [s for s in world.receiver.named(c.SPAN_LEG) if s.trace_id == done[0].trace_id]
+    assert {s.attrs[c.A_ROLE] for s in leg_spans} == {"prefill", "decode"}
+    assert {s.parent_span_id for s in leg_spans} == {f"{parent:016x}"}
+
+
+def test_prefill_transfers_carry_bytes_backend_and_the_decode_agent(healthy):
+    run, _extra, world = healthy
+    legs = [s for s in world.receiver.named(c.SPAN_LEG)
+            if s.resource.get(c.R_CLUSTER) == run.cluster and s.attrs.get(c.A_ROLE) == "prefill"]
+    probes = {s.trace_id for s in legs if s.attrs.get(c.A_PROBE)}
+    real = [s for s in legs if s.trace_id not in probes]
+    transfers = [s for s in world.receiver.named(c.stage_span_name("transfer"))
+                 if s.resource.get(c.R_CLUSTER) == run.cluster and s.resource.get(c.R_ROLE) == "prefill"
+                 and s.trace_id not in probes]
+    assert len(transfers) >= 10 and len(real) >= 10
+    assert all(s.attrs.get(c.A_XFER_BACKEND) == "nixl" and s.attrs.get(c.A_XFER_BYTES, 0) > 0
+               for s in transfers), [s.attrs for s in transfers[:3]]
+    decode_agents = {a for name, a in run.agents.items() if name.startswith("decode")}
+    assert {s.attrs.get(c.A_PEER) for s in real} <= decode_agents, ({s.attrs.get(c.A_PEER) for s in real},
+                                                                      decode_agents)
+
+
+def test_without_a_traceparent_both_legs_share_the_room_hash(healthy):
+    run, extra, world = healthy
+    assert len(extra.get("no_traceparent", [])) == 3
+    by_trace: dict[str, set] = {}
+    for span in world.receiver.named(c.SPAN_LEG):
+        if span.resource.get(c.R_CLUSTER) != run.cluster or span.parent_span_id:
+            continue
+        room = span.attrs.get(c.A_ROOM)
+        if room is not None and span.trace_id == f"{c.room_trace_id(room):032x}":
+            by_trace.setdefault(span.trace_id, set()).add(span.attrs[c.A_ROLE])
+    joined = [t for t, roles in by_trace.items() if roles == {"prefill", "decode"}]
+    assert len(joined) >= 3, by_trace
+
+
+def test_the_inventory_lists_an_open_decode_leg_with_its_tokens(healthy):
+    run, extra, world = healthy
+    long = extra.get("long")
+    assert long is not None and long.outcome == "ok" and long.tokens == 1500, long
+    # Open legs and their token counts reach the sidecar only through heartbeat inventories
+    # (stage spans come when a stage ends); the decode stage lasted many heartbeats.
+    decode = [s for s in world.receiver.named(c.stage_span_name("decode")) if s.trace_id == long.trace_id]
+    assert decode and (decode[0].end_ns - decode[0].start_ns) / 1e9 > 2 * HEARTBEAT_S
+    assert extra["long_seen_open"], "the long decode leg never showed as open with tokens in /api/v1/requests"
+
+
+def test_probes_have_their_own_traces_and_never_count_as_flow(healthy):
+    run, _extra, world = healthy
+    for name in ("prefill-0", "decode-0", "decode-1"):
+        probes = samples(run.metrics, "pdwatch_probe_requests_finished_total", cluster=run.cluster, pd_instance=name)
+        assert sum(probes) >= 1, f"{name}: SGLang's warm-up probe was not seen"
+    probe_spans = [s for s in world.receiver.named(c.SPAN_LEG)
+                   if s.resource.get(c.R_CLUSTER) == run.cluster and s.attrs.get(c.A_PROBE) is True]
+    assert len(probe_spans) >= 3
+    assert len({s.trace_id for s in probe_spans}) == len(probe_spans)  # one trace each
+    room0 = f"{c.room_trace_id(0):032x}"
+    assert room0 not in {s.trace_id for s in probe_spans}
+    assert world.sidecar.client.get(f"/api/v1/requests/{room0}").status_code == 404
+    # Counted apart: requests_finished holds the client's requests only.
+    ok_prefill = sum(samples(run.metrics, "pdwatch_requests_finished_total", cluster=run.cluster, role="prefill",
+                             outcome="ok"))
+    client_ok = sum(1 for r in run.truth.requests if r.outcome == "ok")
+    assert ok_prefill == client_ok + 3 + 1  # + the side requests, + the stack's readiness request
+
+
+# ---- long-decode: long generations that keep producing are never stuck ------------------
+
+
+@pytest.fixture(scope="module")
+def long_decode(live_world):
+    # One stream makes ~300 tokens/s here: 4 x the 5 s floor at 4 ms a token is 5,000 tokens.
+    return run_live(live_world, "long-decode", seconds=30.0, rate=1.0, token_interval_s=0.004,
+                    context_length=8192)
+
+
+def test_long_generations_are_never_stuck(long_decode):
+    run = long_decode
+    long = [r for r in run.truth.requests if r.max_tokens >= 500]
+    assert long and all(r.outcome == "ok" and r.tokens == r.max_tokens for r in long if r.done_at), long
+    slowest = max(r.done_at - r.sent_at for r in long if r.done_at)
+    assert slowest > 2 * FLOORS_S["decode"], f"the long generations took {slowest:.1f} s, not past the floor"
+    assert not run.stuck_ever(), run.stuck_ever()[:3]
+    assert not run.families(), run.families()
+
+
+# ---- decode-restart: the restart is shown; what routed to the dead decode hangs in bootstrap ----
+# Found on the live engine, against the expectation that 0.5.23 heals with nothing to page: the
+# legs in flight at the kill do end not ok, and a while after decode-0 is back new requests
+# complete again; but SGLang's router keeps sending to decode-0 while it is down (and for about
+# 10 s after it is back), the decode request fails at once, and each such request's prefill leg
+# waits in bootstrap for a decode that never asked, until SGLang's 300 s bootstrap timeout, while
+# the client waits too (seen here: 8 requests open for 300 s, then failed). Those are stuck while
+# others flow, and pdwatch names them.
+
+
+@pytest.fixture(scope="module")
+def decode_restart(live_world):
+    def until(run) -> bool:
+        restart = run.event("restart")
+        return restart is not None and time.time() > restart["t"] + restart["ready_after_s"] + 40
+
+    run = run_live(live_world, "decode-restart", seconds=120.0, rate=2.0, restart_at=8.0, until=until)
+    return run, live_world
+
+
+def test_decode_restart_shows_the_restart_and_the_new_agent(decode_restart):
+    run, _world = decode_restart
+    restart = run.event("restart")
+    assert restart is not None, run.events
+    assert restart["old_agent"] and restart["new_agent"] and restart["old_agent"] != restart["new_agent"]
+    assert samples(run.metrics, "pdwatch_instance_restarts_total", cluster=run.cluster,
+                   pd_instance="decode-0") == [1.0]
+    assert instances(run)["decode-0"]["up"]
+    engine = instances(run)["prefill-0"]["ranks"][0]["engine"]
+    assert engine.get("pd.engine.kv_peers_added", 0) >= 3  # decode-0, decode-1, decode-0 again
+
+
+def test_decode_restart_legs_in_flight_end_and_later_requests_complete(decode_restart):
+    run, _world = decode_restart
+    restart = run.event("restart")
+    killed_at, back = restart["t"], restart["t"] + restart["ready_after_s"]
+    in_flight = [r for r in run.truth.requests if r.sent_at < killed_at and (r.done_at or 1e18) > killed_at]
+    assert in_flight, "no request was in flight at the kill"
+    assert all(r.done_at is not None for r in in_flight), "a request in flight at the kill never ended"
+    assert any(r.outcome != "ok" for r in in_flight), [(r.outcome, r.reason) for r in in_flight]
+    end = run.polls[-1]["t"]
+    later = [r for r in run.truth.requests if back + 25 < r.sent_at < end - 5]
+    assert later and all(r.outcome == "ok" for r in later), [(r.outcome, r.reason) for r in later][:5]
+
+
+def test_decode_restart_names_the_requests_routed_to_the_dead_decode(decode_restart):
+    run, _world = decode_restart
+    restart = run.event("restart")
+    last = run.polls[-1]
+    hung = {r.trace_id for r in run.truth.open if r.sent_at >= restart["t"]
+            and last["t"] - r.sent_at > FLOORS_S["bootstrap"] + 3 * HEARTBEAT_S + 2}
+    named = {s["trace_id"] for s in last["stuck"]}
+    assert hung, "no request routed to the dead decode stayed open"
+    assert hung <= named, f"{len(hung - named)} hung request(s) not named"
+    assert {(s["role"], s["stage"], s["pd_instance"]) for s in last["stuck"]} == {("prefill", "bootstrap",
+                                                                                    "prefill-0")}
+    families = {d["family"] for d in last["diagnosis"]}
+    findings = {f["family"] for d in last["diagnosis"] for f in d.get("findings", [])}
+    assert "bootstrap_wedge" in families and "restart_skew" in findings, (families, findings)
+
+
+# ---- freeze-decode: the decode goes silent ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def freeze_decode(live_world):
+    def until(run) -> bool:
+        frozen = run.event("frozen")
+        return frozen is not None and time.time() > frozen["t"] + FLOORS_S["bootstrap"] + 10
+
+    return run_live(live_world, "freeze-decode", seconds=90.0, rate=2.0, restart_at=8.0, until=until)
+
+
+def test_freeze_decode_is_diagnosed_engine_silent_while_decode_1_serves(freeze_decode):
+    run = freeze_decode
+    frozen = run.event("frozen")
+    assert frozen is not None, run.events
+    silent = run.first(lambda p: any(d["family"] == "engine_silent" for d in p["diagnosis"]))
+    assert silent is not None, run.families()
+    assert silent["t"] - frozen["t"] <= 3 * HEARTBEAT_S + 4, silent["t"] - frozen["t"]
+    assert any("decode-0" in e for d in silent["diagnosis"] for e in d["evidence"])
+    assert ok_after(run, frozen["t"] + 1), "decode-1 stopped serving too"
+    waiting = {(s["role"], s["stage"]) for s in run.stuck_ever() if s["pd_instance"] == "prefill-0"}
+    print("prefill legs stuck:", waiting, "families:", run.families())
+    assert waiting, "the prefill legs routed to the frozen decode were never named"
+
+
+# ---- transfer-wedge: the seed's incident in SGLang's own inflight queue ---------------------
+
+
+@pytest.fixture(scope="module")
+def transfer_wedge(live_world):
+    def until(run) -> bool:
+        return any(a["labels"].get("cluster") == run.cluster for _t, _p, a in
+                   live_world.monitoring.webhook.alerts(HEADLINE))
+
+    run = run_live(live_world, "transfer-wedge", seconds=150.0, rate=2.0, restart_at=8.0, until=until)
+    return run, live_world
+
+
+def test_transfer_wedge_names_the_stuck_legs_in_transfer(transfer_wedge):
+    run, _world = transfer_wedge
+    wedge = run.event("wedge")
+    assert wedge is not None and wedge["agent"], run.events
+    first = run.first(lambda p: p["stuck"])
+    assert first is not None, "no leg was ever named stuck"
+    # Named within its threshold (the floor, or 3x the p99 of the run's transfers) and a
+    # heartbeat or two of its entry into transfer, the first after the wedge.
+    leg = min(first["stuck"], key=lambda s: s["stage_since_unix_s"])
+    assert leg["stage_since_unix_s"] >= wedge["t"] - 1
+    assert first["t"] - leg["stage_since_unix_s"] <= leg["threshold_s"] + 3 * HEARTBEAT_S + 1, (first, leg)
+    stuck = run.stuck_ever()
+    assert {s["stage"] for s in stuck} <= {"transfer", "bootstrap"}
+    prefill = [s for s in stuck if s["role"] == "prefill"]
+    assert prefill and all(s["stage"] == "transfer" and s["peer"] == wedge["agent"] for s in prefill), prefill[:3]
+    decode = [s for s in stuck if s["role"] == "decode"]
+    assert decode and {s["pd_instance"] for s in decode} == {"decode-0"}
+    assert ok_after(run, wedge["t"] + 1), "requests to decode-1 stopped completing"
+    # SGLang's own view: the prefill's inflight queue stays up.
+    inflight = [int(line.split("#inflight-req: ")[1].split(",")[0]) for line in run.logs["prefill-0"]
+                if "#inflight-req: " in line]
+    assert inflight and max(inflight) >= 1, run.logs["prefill-0"][-5:]
+
+
+def test_transfer_wedge_is_diagnosed_and_pages(transfer_wedge):
+    run, world = transfer_wedge
+    assert "transfer_wedge" in run.families(), run.families()
+    pages = [(t, a) for t, _p, a in world.monitoring.webhook.alerts(HEADLINE) if a["labels"].get("cluster") == run.cluster]
+    assert pages, [a["labels"] for a in world.monitoring.firing()]
+    t, alert = pages[0]
+    assert alert["labels"]["stage"] == "transfer" and alert["labels"]["severity"] == "critical"
+    print(f"page {t - run.event('wedge')['t']:.1f} s after the wedge")
