@@ -171,15 +171,23 @@ def _serving_others(i: InstanceFacts) -> bool:
 
 def queue_starvation(f: ClusterFacts) -> Finding | None:
     evidence = []
+    confidence = 0.75
     for i in f.instances:
         waiting = i.stuck.get("queued", 0) + (i.stuck.get("bootstrap", 0) if i.role == "decode" else 0)
         if waiting and _serving_others(i):
             where = "queued" if i.stuck.get("queued") else "bootstrap, waiting for KV memory"
             evidence.append(f"{i.role} {i.pd_instance}: {waiting} leg(s) stuck in {where} while it finished "
                             f"{i.finished_ok_recent} other leg(s) ok in the last {f.flow_window_s:.0f} s")
+            if i.stuck.get("transfer"):
+                # Seen on live SGLang: a decode whose transfers never end keeps their KV memory,
+                # and new requests queue behind them; the wedge is the cause to act on.
+                evidence.append(f"{i.role} {i.pd_instance} also holds {i.stuck['transfer']} leg(s) stuck in "
+                                "transfer, whose KV memory never comes back: starvation downstream of a "
+                                "transfer wedge (transfer_wedge)")
+                confidence = 0.55
     if not evidence:
         return None
-    return Finding("queue_starvation", 0.75, evidence, ACTIONS["queue_starvation"])
+    return Finding("queue_starvation", confidence, evidence, ACTIONS["queue_starvation"])
 
 
 def bootstrap_wedge(f: ClusterFacts) -> Finding | None:
@@ -193,6 +201,12 @@ def bootstrap_wedge(f: ClusterFacts) -> Finding | None:
     evidence = [_stuck_sentence(f, ("bootstrap",)) + f" while {_flow_sentence(f)}",
                 "stuck on " + ", ".join(f"{i.role} {i.pd_instance}" for i in wedged)]
     confidence = 0.7 - _explained_by_silence(f, evidence, "bootstrap")
+    if f.stuck_in("transfer"):
+        # A decode whose transfers never end runs out of KV memory; requests routed to it then
+        # wait in bootstrap on both sides (seen on live SGLang): the transfer wedge comes first.
+        evidence.append(f"{f.stuck_in('transfer')} leg(s) are stuck in transfer too: the bootstrap waits can be "
+                        "requests queued behind a transfer wedge that holds a decode's KV memory (transfer_wedge)")
+        confidence -= 0.15
     return Finding("bootstrap_wedge", confidence, evidence, ACTIONS["bootstrap_wedge"])
 
 

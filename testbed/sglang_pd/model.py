@@ -23,7 +23,7 @@ CONFIG = {
     "num_key_value_heads": 2,
     "head_dim": 32,
     "vocab_size": VOCAB,
-    "max_position_embeddings": 2048,
+    "max_position_embeddings": 8192,
     "rms_norm_eps": 1e-5,
     "rope_theta": 10000.0,
     "hidden_act": "silu",

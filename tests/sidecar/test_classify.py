@@ -138,3 +138,25 @@ def test_one_spinning_rank_of_a_frozen_tp_group_is_enough():
     v = verdict(facts)
     assert v["family"] == "collective_desync"
     assert "GPU 2 at 99 % utilization" in v["evidence"][0]
+
+
+def test_bootstrap_waits_and_kv_starvation_behind_a_transfer_wedge_rank_below_it():
+    """As on live SGLang without GPU telemetry: decode-0's wedged transfers hold its KV memory, so
+    later requests routed to it wait in bootstrap on both sides; the wedge must still lead."""
+    facts = cluster([
+        inst("prefill-0", "prefill", stuck={"transfer": 3, "bootstrap": 6}),
+        inst("decode-0", "decode", ok=4, stuck={"transfer": 3, "bootstrap": 6}),
+        inst("decode-1", "decode"),
+    ])
+    facts.gpu_telemetry_up = False
+    v = verdict(facts)
+    assert v["family"] == "transfer_wedge", [(f["family"], f["confidence"]) for f in v["findings"]]
+    below = {f["family"]: f for f in v["findings"][1:]}
+    assert set(below) >= {"bootstrap_wedge", "queue_starvation"}
+    assert "queued behind a transfer wedge" in " ".join(below["bootstrap_wedge"]["evidence"])
+    assert "downstream of a transfer wedge" in " ".join(below["queue_starvation"]["evidence"])
+    # Without legs stuck in transfer, the same waits keep their own rank.
+    alone = cluster([inst("prefill-0", "prefill", stuck={"bootstrap": 6}),
+                     inst("decode-0", "decode", ok=4, stuck={"bootstrap": 6}), inst("decode-1", "decode")])
+    assert {f.family: f.confidence for f in classify(alone)} == {"bootstrap_wedge": 0.7,
+                                                          "queue_starvation": 0.75}
