@@ -299,3 +299,26 @@ def test_a_recent_evaluation_is_reused_until_spans_arrive_or_it_ages(tracker, en
     clock.advance(2)
     third = tracker.recent_evaluation()
     assert third is not second and {s.leg.trace_id for s in third.stuck} == {tid(1)}
+
+
+def test_probes_keep_their_own_traces_are_counted_apart_and_never_flow(tracker, engines, clock):
+    """SGLang's warm-ups and health checks share room 0: each is its own trace, and never "others flowing"."""
+    p = engines("prefill", "prefill-0")
+    for i in range(3):
+        p.walk(f"HEALTH_CHECK_{i}", 0, PREFILL_TO_TRANSFER, probe=True)
+    p.rec.drain()
+    hb = p.rec.heartbeat_attributes()
+    assert hb[c.H_OPEN_PROBES] == [True, True, True]
+    assert len(set(hb[c.H_OPEN_TRACE_IDS])) == 3 and tid(0) not in hb[c.H_OPEN_TRACE_IDS]
+    for i in range(3):
+        p.rec.finish(f"HEALTH_CHECK_{i}", "ok")
+    p.send(tracker)
+    assert tracker.probes_finished == {("default", "prefill", "prefill-0", "ok"): 3}
+    assert tracker.finished == {}
+    assert tracker.evaluate().flowing.get("default", False) is False
+    # A real request's ok does flow.
+    p.walk("p-1", 1, PREFILL_TO_TRANSFER)
+    p.rec.finish("p-1", "ok")
+    p.send(tracker)
+    assert tracker.finished == {("default", "prefill", "prefill-0", "ok"): 1}
+    assert tracker.evaluate().flowing["default"] is True
