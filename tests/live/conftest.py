@@ -109,9 +109,11 @@ class Poller:
         self._thread.join(5)
 
 
-def run_live(world: World, scenario: str, *, seconds: float, until=None, **stack_args) -> Run:
-    """Start the scenario's live stack as cluster live-<scenario>, watch it for `seconds` of load
-    (or until `until(run)` holds), then stop it. The stack's events and truth stay in the Run."""
+def run_live(world: World, scenario: str, *, seconds: float, until=None, grace_s: float = 5.0,
+             **stack_args) -> Run:
+    """Start the scenario's live stack as cluster live-<scenario>, send `seconds` of load and watch it
+    for `grace_s` more (or until `until(run)` holds), then stop it. The stack's events and truth stay
+    in the Run."""
     from testbed.sglang_pd.stack import SglangStack
 
     cluster = f"live-{scenario}"
@@ -121,7 +123,7 @@ def run_live(world: World, scenario: str, *, seconds: float, until=None, **stack
     try:
         stack.start()
         with Poller(world.sidecar, run):
-            deadline = time.monotonic() + seconds + 5
+            deadline = time.monotonic() + seconds + grace_s
             while time.monotonic() < deadline:
                 if until is not None and until(run):
                     break
