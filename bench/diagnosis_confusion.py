@@ -2,7 +2,7 @@
 
 Every registered scenario runs `--runs` times (different seeds) against one
 real `pdwatch serve` reading emulated GPUs through the NVML stub
-(`testbed.diagnosis_run`). A run's diagnosed family is the leading family of
+(`pdwatch.testbed.diagnosis_run`). A run's diagnosed family is the leading family of
 `/api/v1/diagnosis` at the end of its watch; for the no-fault scenarios
 (healthy, long-decode, burst) any family named at any poll counts against
 them. Also printed: per scenario, the detection latency from the fault to the
@@ -20,10 +20,10 @@ import statistics
 import sys
 import time
 
-from pdwatch.sidecar_process import SidecarProcess
-from testbed import scenarios
-from testbed.diagnosis_run import run_scenario, sidecar_env
-from testbed.gpu_emulation import GpuEmulator
+from pdwatch.testbed.sidecar_process import SidecarProcess
+from pdwatch.testbed import scenarios
+from pdwatch.testbed.diagnosis_run import run_scenario, sidecar_env
+from pdwatch.testbed.gpu_emulation import GpuEmulator
 
 NONE = "-"
 

@@ -30,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ingest_rate import build_bodies  # same directory: run as a script
 from pdwatch import contract as c
-from pdwatch.sidecar_process import SidecarProcess
+from pdwatch.testbed.sidecar_process import SidecarProcess
 
 
 RECEIVER = r"""

@@ -32,8 +32,8 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from engine_patches.recorder import Recorder, RecorderConfig
-from pdwatch.sidecar_process import SidecarProcess
+from pdwatch.engine_patches.recorder import Recorder, RecorderConfig
+from pdwatch.testbed.sidecar_process import SidecarProcess
 
 PREFILL = ("bootstrap", "queued", "prefill", "transfer")
 

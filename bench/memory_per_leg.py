@@ -25,8 +25,8 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from engine_patches.recorder import Recorder, RecorderConfig
-from sidecar.tracker import Tracker
+from pdwatch.engine_patches.recorder import Recorder, RecorderConfig
+from pdwatch.sidecar.tracker import Tracker
 
 CHUNK = 2048  # legs per OTLP body; the inventory limit, so each heartbeat lists its chunk's legs
 

@@ -20,7 +20,7 @@ import time
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
-from engine_patches.recorder import Recorder, RecorderConfig
+from pdwatch.engine_patches.recorder import Recorder, RecorderConfig
 
 
 class NullExporter(SpanExporter):

@@ -64,7 +64,7 @@ def load_sglang_with_plugin():
     from sglang.srt.plugins import load_plugins
 
     load_plugins()
-    import engine_patches.sglang as plugin
+    import pdwatch.engine_patches.sglang as plugin
 
     if plugin.status != "registered":
         raise SystemExit(f"pdwatch plugin not registered: {plugin.status} {plugin.problems}")
@@ -87,9 +87,9 @@ def main() -> None:
     from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    from engine_patches.recorder import Recorder, RecorderConfig
-    from engine_patches.sglang import hooks
-    from engine_patches.sglang.state import state
+    from pdwatch.engine_patches.recorder import Recorder, RecorderConfig
+    from pdwatch.engine_patches.sglang import hooks
+    from pdwatch.engine_patches.sglang.state import state
 
     sched = object.__new__(Scheduler)
     sched.disaggregation_mode = DisaggregationMode.DECODE

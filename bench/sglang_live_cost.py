@@ -23,8 +23,8 @@ import random
 import statistics
 import time
 
-from pdwatch.sidecar_process import SidecarProcess
-from testbed.sglang_pd.stack import SglangStack
+from pdwatch.testbed.sidecar_process import SidecarProcess
+from pdwatch.testbed.sglang_pd.stack import SglangStack
 
 
 def one_request(port: int, ids: list[int], max_tokens: int) -> float:

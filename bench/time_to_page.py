@@ -23,8 +23,8 @@ import time
 
 import yaml
 
-from pdwatch.monitoring import RULES, Monitoring
-from pdwatch.sidecar_process import SidecarProcess
+from pdwatch.testbed.monitoring import RULES, Monitoring
+from pdwatch.testbed.sidecar_process import SidecarProcess
 
 HEADLINE = "PDRequestStuckWhileOthersFlow"
 
@@ -36,7 +36,7 @@ def rule_for_s() -> float:
 
 
 def one_run(args, seed: int) -> dict:
-    from testbed.stack import Stack
+    from pdwatch.testbed.stack import Stack
 
     env = {"PDWATCH_FLOOR_TRANSFER_S": str(args.floor_transfer_s), "PDWATCH_LOG_LEVEL": "warning",
            "PDWATCH_NVML": "off"}

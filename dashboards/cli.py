@@ -7,8 +7,8 @@ import os
 import sys
 from pathlib import Path
 
-from dashboards import push as push_mod
-from dashboards import render
+from pdwatch.dashboards import push as push_mod
+from pdwatch.dashboards import render
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from grafana_foundation_sdk.builders import dashboard as db
 
-from dashboards.common import BY_INSTANCE, Panels, dashboard, variables
+from pdwatch.dashboards.common import BY_INSTANCE, Panels, dashboard, variables
 
 UID = "pdwatch-self"
 RATE = "[$__rate_interval]"

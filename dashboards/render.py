@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator
 from grafana_foundation_sdk.builders import dashboard as db
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 
-from dashboards import pdwatch_self, request_flow, stuck_requests
+from pdwatch.dashboards import pdwatch_self, request_flow, stuck_requests
 
 GENERATED_DIR = Path(__file__).resolve().parent / "generated"
 

@@ -8,7 +8,7 @@ from grafana_foundation_sdk.builders import dashboard as db
 from grafana_foundation_sdk.builders import table
 from grafana_foundation_sdk.models import dashboard as dm
 
-from dashboards.common import BY_INSTANCE, BY_ROLE, CLUSTER, ROLE, Panels, dashboard, sel, variables
+from pdwatch.dashboards.common import BY_INSTANCE, BY_ROLE, CLUSTER, ROLE, Panels, dashboard, sel, variables
 
 UID = "pdwatch-stuck-requests"
 

@@ -8,12 +8,12 @@ import argparse
 import sys
 
 SUBCOMMANDS = {
-    "serve": ("sidecar.server", "run the sidecar: OTLP ingest, stuck detection, metrics and API"),
+    "serve": ("pdwatch.sidecar.server", "run the sidecar: OTLP ingest, stuck detection, metrics and API"),
     "trace": ("pdwatch.trace", "draw both legs of one request as a waterfall; write it as a Jaeger UI JSON file"),
     "diagnose": ("pdwatch.diagnose", "name the failure family behind stuck requests, from a sidecar or Prometheus"),
     "demo": ("pdwatch.demo", "run the incident in the testbed, watched by a sidecar, and report it"),
-    "testbed": ("testbed.cli", "run the PD testbed alone (prefill and decode over NIXL, with faults)"),
-    "dashboards": ("dashboards.cli", "generate the Grafana dashboards, or push them to a Grafana server"),
+    "testbed": ("pdwatch.testbed.cli", "run the PD testbed alone (prefill and decode over NIXL, with faults)"),
+    "dashboards": ("pdwatch.dashboards.cli", "generate the Grafana dashboards, or push them to a Grafana server"),
 }
 
 

@@ -20,7 +20,7 @@ import os
 import sys
 import time
 
-from pdwatch.sidecar_process import SidecarProcess
+from pdwatch.testbed.sidecar_process import SidecarProcess
 
 SCENARIOS_EXPECTING_STUCK = {"decode-restart", "transfer-wedge"}
 HEADLINE = "PDRequestStuckWhileOthersFlow"
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sidecar listening on {sidecar.url}")
         monitoring = None
         if not args.no_alerts and expect_stuck:
-            from pdwatch.monitoring import Monitoring, MonitoringError
+            from pdwatch.testbed.monitoring import Monitoring, MonitoringError
 
             try:
                 monitoring = Monitoring([sidecar.url]).start()
@@ -117,13 +117,13 @@ def main(argv: list[str] | None = None) -> int:
                       restart_at=args.restart_at, seed=args.seed)
         try:
             if sglang:
-                from testbed.sglang_pd.stack import SglangStack
+                from pdwatch.testbed.sglang_pd.stack import SglangStack
 
                 stack = SglangStack(args.scenario, **common)
                 print("starting SGLang's prefill, two decodes and its router with pdwatch's plugin "
                       "(about a minute on two cores) ...", flush=True)
             else:
-                from testbed.stack import Stack  # imports numpy and NIXL; keep --help fast
+                from pdwatch.testbed.stack import Stack  # imports numpy and NIXL; keep --help fast
 
                 stack = Stack(args.scenario, gpus=gpus, **common)
         except ValueError as exc:
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _gpu_emulation():
     """Emulated GPUs behind the NVML stub, when the stub is built (make demo builds it)."""
-    from testbed.gpu_emulation import GpuEmulator
+    from pdwatch.testbed.gpu_emulation import GpuEmulator
 
     try:
         return GpuEmulator.for_demo()

@@ -51,8 +51,8 @@ def render(verdicts: list[dict]) -> str:
 
 def fetch(args) -> list[dict]:
     if args.prometheus:
-        from sidecar.diagnosis.classify import verdict
-        from sidecar.diagnosis.from_prometheus import gather
+        from pdwatch.sidecar.diagnosis.classify import verdict
+        from pdwatch.sidecar.diagnosis.from_prometheus import gather
 
         return [verdict(f) for f in gather(args.prometheus, timeout_s=args.timeout_s)]
     url = (args.sidecar or "http://127.0.0.1:4318").rstrip("/")

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine_patches import recorder as pdrec
+from pdwatch.engine_patches import recorder as pdrec
 from pdwatch import contract as c
 
 from . import kv
@@ -32,7 +32,7 @@ from .engine_status import StatusWriter
 from .tp import TpLeader
 from .wire import Conn, LineServer, WireError, room_of
 
-log = logging.getLogger("testbed.decode")
+log = logging.getLogger("pdwatch.testbed.decode")
 
 # The contract's stage order for this role, by name.
 BOOTSTRAP, TRANSFER, QUEUED, DECODE = c.STAGES["decode"]

@@ -8,7 +8,7 @@ Shared by `tests/integration/test_scenarios.py` and `bench/diagnosis_confusion.p
     run.final_family, run.latency_s, run.timeline
 
 The sidecar reads the emulated GPUs through the NVML stub; the stack's engines
-drive them from their real work (`testbed.gpu_feed`). Settings are short
+drive them from their real work (`pdwatch.testbed.gpu_feed`). Settings are short
 (floors of seconds, 0.5 s heartbeats) so one scenario takes ~15-25 s.
 """
 

@@ -1,4 +1,4 @@
-"""Entry point of one testbed engine process: `python -m testbed.engine --role R`.
+"""Entry point of one testbed engine process: `python -m pdwatch.testbed.engine --role R`.
 
 Builds the role's engine, prints one JSON "ready" line on stdout once its
 NIXL agent and servers are up, then runs until SIGTERM, or until its parent
@@ -18,11 +18,11 @@ import threading
 BYTES_PER_TOKEN = 128
 SLOT_BYTES = 32768
 
-log = logging.getLogger("testbed.engine")
+log = logging.getLogger("pdwatch.testbed.engine")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m testbed.engine", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m pdwatch.testbed.engine", description=__doc__.splitlines()[0])
     ap.add_argument("--role", choices=("prefill", "decode"), required=True)
     ap.add_argument("--instance", required=True, help="stable instance name, e.g. decode-0")
     ap.add_argument("--api-port", type=int, default=0, help="port for the router (0: any free one)")

@@ -4,7 +4,7 @@ The engine adds up the seconds its GPU would be working (`work`: a forward
 pass, a decode step with a running batch) and the seconds it waits inside a
 collective for a peer (`spin`); a thread rewrites a one-line JSON file every
 `interval_s` with the shares of the last interval. The parent
-(`testbed.gpu_feed`) reads it; a file that stops changing means the process
+(`pdwatch.testbed.gpu_feed`) reads it; a file that stops changing means the process
 is frozen or dead, which is an idle GPU. Nothing here can raise into the
 engine's loop: a failed write is skipped.
 """

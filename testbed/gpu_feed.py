@@ -1,7 +1,7 @@
 """Keeps each engine's emulated GPU in step with what the engine really does.
 
 Every `interval_s` it reads each engine process's status file
-(`testbed.engine_status`) and shows the result on that engine's device:
+(`pdwatch.testbed.engine_status`) and shows the result on that engine's device:
 mostly waiting in a collective -> `spin()` (~100 %, moderate power); otherwise
 `busy(work share)`, so a decode with a running batch reads hot and one with
 nothing to do reads ~0 % at idle power. A process that stopped reporting
@@ -20,7 +20,7 @@ from typing import Callable
 from .engine_status import read_status
 from .gpu_emulation import GpuEmulator
 
-log = logging.getLogger("testbed.gpu_feed")
+log = logging.getLogger("pdwatch.testbed.gpu_feed")
 
 SPIN_SHARE = 0.5  # more of the interval than this inside a collective: the GPU spins
 RESIDENT_SHARE = 0.8  # weights + KV pool of a live engine, of the device's memory

@@ -24,14 +24,14 @@ import uuid
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from engine_patches import recorder as pdrec
+from pdwatch.engine_patches import recorder as pdrec
 from pdwatch import contract as c
 
 from . import kv
 from .engine_status import StatusWriter
 from .wire import LineServer, WireError, room_of
 
-log = logging.getLogger("testbed.prefill")
+log = logging.getLogger("pdwatch.testbed.prefill")
 
 # The contract's stage order for this role, by name.
 BOOTSTRAP, QUEUED, PREFILL, TRANSFER = c.STAGES["prefill"]

@@ -18,7 +18,10 @@ import time
 from collections import deque
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+# The checkout this testbed runs from, or None when it runs from an installed wheel (then the
+# engines import pdwatch from site-packages like everything else).
+_TOP = Path(__file__).resolve().parent.parent
+CHECKOUT = _TOP if (_TOP / "pyproject.toml").is_file() else None
 LOG_LINES = 400
 
 
@@ -45,10 +48,10 @@ class EngineProcess:
         self._ready = threading.Event()
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "testbed.engine", "--role", self.role, "--instance", self.instance, *self.args]
+        return [sys.executable, "-m", "pdwatch.testbed.engine", "--role", self.role, "--instance", self.instance, *self.args]
 
     def python_path(self) -> list[str]:
-        return [str(REPO_ROOT)]
+        return [str(CHECKOUT)] if CHECKOUT is not None else []
 
     def ready_info(self, line: str) -> dict | None:
         """The process's ready message, if this output line is one (a JSON line with "ready")."""
@@ -69,7 +72,7 @@ class EngineProcess:
         self.proc = subprocess.Popen(
             self.command(),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            env=env, cwd=str(REPO_ROOT), start_new_session=True,
+            env=env, cwd=str(CHECKOUT) if CHECKOUT is not None else None, start_new_session=True,
         )
         threading.Thread(target=self._read_stdout, args=(self.proc,), name=f"{self.instance}-stdout",
                          daemon=True).start()

@@ -18,7 +18,7 @@ from pdwatch import contract as c
 
 from .wire import Conn
 
-log = logging.getLogger("testbed.router")
+log = logging.getLogger("pdwatch.testbed.router")
 
 
 @dataclass

@@ -37,7 +37,7 @@ class Scenario:
     shape: Callable[[Params, random.Random, int], tuple[int, int]] = default_shape
     # (params) -> [(seconds after start, action name, instance)]; the Stack runs the actions.
     actions: Callable[[Params], list[tuple[float, str, str]]] = lambda params: []
-    # (params, instance) -> extra `python -m testbed.engine` arguments
+    # (params, instance) -> extra `python -m pdwatch.testbed.engine` arguments
     engine_args: Callable[[Params, str], list[str]] = lambda params, instance: []
     # The router's ground truth should end with requests hung.
     expects_stuck: bool = False

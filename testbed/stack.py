@@ -29,7 +29,7 @@ from .processes import EngineProcess, EngineStartError, free_port
 from .router import LoadGenerator, Router, Truth
 from .wire import Conn
 
-log = logging.getLogger("testbed.stack")
+log = logging.getLogger("pdwatch.testbed.stack")
 
 _live_stacks: "weakref.WeakSet[Stack]" = weakref.WeakSet()
 

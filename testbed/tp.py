@@ -1,6 +1,6 @@
 """A tensor-parallel decode group of two processes with a real per-step barrier.
 
-Rank 0 is the decode engine (`testbed.decode`): it owns the requests, the
+Rank 0 is the decode engine (`pdwatch.testbed.decode`): it owns the requests, the
 NIXL agent and the inventory. Before every forward (and every ~20 ms while
 idle, as SGLang broadcasts new requests each scheduler iteration) it calls
 `TpLeader.sync()`, which sends one byte to rank 1 over loopback TCP and waits
@@ -22,11 +22,11 @@ import socket
 import threading
 import time
 
-from engine_patches import recorder as pdrec
+from pdwatch.engine_patches import recorder as pdrec
 
 from .engine_status import StatusWriter
 
-log = logging.getLogger("testbed.tp")
+log = logging.getLogger("pdwatch.testbed.tp")
 
 STEP_BUSY, STEP_IDLE, ACK = b"B", b"I", b"A"
 POLL_S = 0.05  # how often a waiting rank looks at its stop flag

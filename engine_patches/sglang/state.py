@@ -2,7 +2,7 @@
 
 One `PluginState` per process (`state`). The recorder is created once, when the
 scheduler has decided its role (`Scheduler.init_disaggregation`), from the
-environment (`engine_patches.recorder.from_env`). Until then every hook is a
+environment (`pdwatch.engine_patches.recorder.from_env`). Until then every hook is a
 no-op. The maps bridge what SGLang keys differently: the router's traceparent
 arrives before the `Req` exists, and KV-manager callbacks know the
 bootstrap room, not the rid.
@@ -50,7 +50,7 @@ class PluginState:
         """Create this process's recorder from the scheduler's settings (once)."""
         if self.rec is not None:
             return
-        from engine_patches.recorder import from_env
+        from pdwatch.engine_patches.recorder import from_env
 
         mode = getattr(scheduler.disaggregation_mode, "value", scheduler.disaggregation_mode)
         role = _ROLE[str(mode)]

@@ -23,7 +23,7 @@ from pdwatch import contract as c
 from ..router import RequestRecord, Truth
 from .model import VOCAB
 
-log = logging.getLogger("testbed.sglang_pd.client")
+log = logging.getLogger("pdwatch.testbed.sglang_pd.client")
 
 
 class RouterClient:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
@@ -14,16 +13,8 @@ ROOT = Path(__file__).resolve().parents[2]
 ALERTS_DIR = ROOT / "alerts"
 
 
-def _load_generator():
-    # alerts/generate.py is a script, not an installed package.
-    spec = importlib.util.spec_from_file_location("pdwatch_alerts_generate", ALERTS_DIR / "generate.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+from pdwatch.alerts import generate as gen
 
-
-gen = _load_generator()
 RULE_FILE = ALERTS_DIR / "pdwatch-alerts.yml"
 TEST_FILES = sorted((ALERTS_DIR / "tests").glob("*.test.yml"))
 

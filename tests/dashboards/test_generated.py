@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dashboards import common, render
+from pdwatch.dashboards import common, render
 from pdwatch import cli
 
 DOCS = render.load()

@@ -7,8 +7,8 @@ import socket
 
 import pytest
 
-from dashboards import render
-from dashboards.push import PushError, push
+from pdwatch.dashboards import render
+from pdwatch.dashboards.push import PushError, push
 from pdwatch import cli
 
 # The `grafana` fixture (conftest.py) requires this token.

@@ -12,7 +12,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from engine_patches.recorder import Recorder, RecorderConfig
+from pdwatch.engine_patches.recorder import Recorder, RecorderConfig
 
 
 class FakeClock:

@@ -15,8 +15,8 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from pdwatch import contract as c
-from sidecar import views
-from sidecar.tracker import _SEEN_SPANS_MAX, Tracker
+from pdwatch.sidecar import views
+from pdwatch.sidecar.tracker import _SEEN_SPANS_MAX, Tracker
 from tests.sidecar.conftest import T0, Engine, FakeClock, LiveSidecar
 
 __all__ = ["T0", "Engine", "FakeClock", "LiveSidecar", "any_value", "resource_spans", "span", "check_invariants"]
@@ -135,7 +135,7 @@ def engines(clock):
 
 @pytest.fixture
 def live_sidecar():
-    from sidecar.settings import Settings
+    from pdwatch.sidecar.settings import Settings
 
     started = []
 

@@ -13,10 +13,10 @@ import httpx
 import pytest
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-from engine_patches.recorder import Recorder, RecorderConfig
-from pdwatch.sidecar_process import free_port
-from sidecar.server import build_parser
-from sidecar.settings import Settings
+from pdwatch.engine_patches.recorder import Recorder, RecorderConfig
+from pdwatch.testbed.sidecar_process import free_port
+from pdwatch.sidecar.server import build_parser
+from pdwatch.sidecar.settings import Settings
 
 TOKEN = "s3cret-Tok3n-for-tests-only"
 API = ["/api/v1/stuck", "/api/v1/summary", "/api/v1/diagnosis", f"/api/v1/requests/{'ab' * 16}"]

@@ -17,8 +17,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from starlette.testclient import TestClient
 
 from pdwatch import contract as c
-from sidecar.app import create_app
-from sidecar.settings import Settings
+from pdwatch.sidecar.app import create_app
+from pdwatch.sidecar.settings import Settings
 
 from .conftest import FUZZ_EXAMPLES, FakeClock, check_invariants, heartbeat, resource_spans, source, span
 

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from engine_patches.recorder import Recorder, RecorderConfig
-from pdwatch.sidecar_process import free_port
+from pdwatch.engine_patches.recorder import Recorder, RecorderConfig
+from pdwatch.testbed.sidecar_process import free_port
 
 BUFFER_MAX, EXPORT_QUEUE = 2_000, 256
 

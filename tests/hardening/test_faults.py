@@ -10,7 +10,7 @@ import httpx
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from pdwatch import contract as c
-from sidecar.tracker import Tracker
+from pdwatch.sidecar.tracker import Tracker
 
 from .conftest import FLOORS, FakeClock, check_invariants
 

@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from pdwatch import contract as c
-from sidecar.otlp_body import PROTOBUF, parse_request
-from sidecar.model import stage_history
-from sidecar.tracker import Tracker
+from pdwatch.sidecar.otlp_body import PROTOBUF, parse_request
+from pdwatch.sidecar.model import stage_history
+from pdwatch.sidecar.tracker import Tracker
 
 from .conftest import FLOORS, FUZZ_EXAMPLES, T0, FakeClock, check_invariants, kvs, span
 

@@ -13,7 +13,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
 from pdwatch import contract as c
-from sidecar.overload import IngestGuard, read_rss_bytes
+from pdwatch.sidecar.overload import IngestGuard, read_rss_bytes
 
 from .conftest import check_invariants, heartbeat, resource_spans, source, span
 
@@ -157,7 +157,7 @@ def test_legs_of_an_instance_that_vanished_are_evicted_after_the_ttl(live_sideca
 
 @pytest.mark.parametrize("name, value", [("PDWATCH_MAX_RSS_BYTES", "-1"), ("PDWATCH_INSTANCE_TTL_S", "0")])
 def test_bad_overload_settings_stop_the_start(name, value):
-    from sidecar.settings import Settings
+    from pdwatch.sidecar.settings import Settings
 
     with pytest.raises(ValueError, match=name):
         Settings.from_sources({}, {name: value})

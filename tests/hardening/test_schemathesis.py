@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import response_schema_conformance
 
-from sidecar.app import create_app
-from sidecar.settings import Settings
+from pdwatch.sidecar.app import create_app
+from pdwatch.sidecar.settings import Settings
 
 from .conftest import FUZZ_EXAMPLES, Engine, FakeClock, check_invariants
 

@@ -14,8 +14,8 @@ import time
 import pytest
 import yaml
 
-from pdwatch.monitoring import RULES, Monitoring
-from pdwatch.sidecar_process import SidecarProcess
+from pdwatch.testbed.monitoring import RULES, Monitoring
+from pdwatch.testbed.sidecar_process import SidecarProcess
 
 pytestmark = pytest.mark.integration
 
@@ -31,9 +31,9 @@ def metric_names(expr: str) -> set[str]:
 
 @pytest.fixture(scope="module")
 def incident():
-    from testbed.stack import Stack
+    from pdwatch.testbed.stack import Stack
 
-    from testbed.gpu_emulation import GpuEmulator
+    from pdwatch.testbed.gpu_emulation import GpuEmulator
 
     # Emulated GPUs behind the NVML stub, so the GPU panels and rules have data too.
     gpus = GpuEmulator.for_demo(count=12)
@@ -93,7 +93,7 @@ def test_healthy_and_long_generations_deliver_nothing(incident):
 
 
 def test_every_rule_and_dashboard_expression_runs_and_its_metrics_exist(incident):
-    from dashboards import render
+    from pdwatch.dashboards import render
 
     mon, sc = incident["monitoring"], incident["sidecar"]
     exposition = sc.client.get("/metrics").text

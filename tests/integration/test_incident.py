@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from pdwatch.sidecar_process import SidecarProcess
+from pdwatch.testbed.sidecar_process import SidecarProcess
 
 pytestmark = pytest.mark.integration
 
@@ -48,7 +48,7 @@ def watch(sc, seconds: float) -> tuple[list, int]:
     ("long-decode", {"transfer": FLOOR_TRANSFER_S, "decode": 2.0}),
 ])
 def test_healthy_traffic_is_never_stuck(scenario, floors):
-    from testbed.stack import Stack
+    from pdwatch.testbed.stack import Stack
 
     with sidecar(**floors) as sc:
         stack = Stack(scenario, otlp_endpoint=sc.url, heartbeat_s=HEARTBEAT_S, rate=4.0,
@@ -67,7 +67,7 @@ def test_healthy_traffic_is_never_stuck(scenario, floors):
 
 
 def test_decode_restart_names_exactly_the_hung_legs_while_others_flow():
-    from testbed.stack import Stack
+    from pdwatch.testbed.stack import Stack
 
     restart_at = 3.0
     with sidecar(transfer=FLOOR_TRANSFER_S) as sc:

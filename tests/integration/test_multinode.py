@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from pdwatch.monitoring import Monitoring
-from pdwatch.sidecar_process import SidecarProcess
+from pdwatch.testbed.monitoring import Monitoring
+from pdwatch.testbed.sidecar_process import SidecarProcess
 
 pytestmark = pytest.mark.integration
 
@@ -20,9 +20,9 @@ NODES = ("prefill-0", "decode-0", "decode-1")
 
 
 def test_three_sidecars_one_prometheus_page_and_diagnose_the_incident():
-    from sidecar.diagnosis.classify import verdict
-    from sidecar.diagnosis.from_prometheus import gather
-    from testbed.stack import Stack
+    from pdwatch.sidecar.diagnosis.classify import verdict
+    from pdwatch.sidecar.diagnosis.from_prometheus import gather
+    from pdwatch.testbed.stack import Stack
 
     env = {"PDWATCH_FLOOR_TRANSFER_S": "4", "PDWATCH_LOG_LEVEL": "warning", "PDWATCH_EVALUATE_INTERVAL_S": "0.25",
            "PDWATCH_NVML": "off"}

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from pdwatch.sidecar_process import SidecarProcess
+from pdwatch.testbed.sidecar_process import SidecarProcess
 from tests.support.otlp_receiver import OtlpReceiver
 
 HEARTBEAT_S = 1.0
@@ -37,7 +37,7 @@ def live_world():
     reason = _missing()
     if reason:
         pytest.skip(reason)
-    from pdwatch.monitoring import Monitoring
+    from pdwatch.testbed.monitoring import Monitoring
 
     env = {f"PDWATCH_FLOOR_{stage.upper()}_S": str(s) for stage, s in FLOORS_S.items()}
     with OtlpReceiver() as receiver:
@@ -114,7 +114,7 @@ def run_live(world: World, scenario: str, *, seconds: float, until=None, grace_s
     """Start the scenario's live stack as cluster live-<scenario>, send `seconds` of load and watch it
     for `grace_s` more (or until `until(run)` holds), then stop it. The stack's events and truth stay
     in the Run."""
-    from testbed.sglang_pd.stack import SglangStack
+    from pdwatch.testbed.sglang_pd.stack import SglangStack
 
     cluster = f"live-{scenario}"
     stack = SglangStack(scenario, otlp_endpoint=world.sidecar.url, heartbeat_s=HEARTBEAT_S, cluster=cluster,

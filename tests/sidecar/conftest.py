@@ -12,8 +12,8 @@ import pytest
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from engine_patches.recorder import Recorder, RecorderConfig
-from sidecar.tracker import Tracker
+from pdwatch.engine_patches.recorder import Recorder, RecorderConfig
+from pdwatch.sidecar.tracker import Tracker
 
 T0 = 1_800_000_000_000_000_000
 
@@ -97,7 +97,7 @@ class LiveSidecar:
     def __init__(self, settings, clock=time.time_ns):
         import uvicorn
 
-        from sidecar.app import create_app
+        from pdwatch.sidecar.app import create_app
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -123,7 +123,7 @@ class LiveSidecar:
 
 @pytest.fixture
 def live_sidecar():
-    from sidecar.settings import Settings
+    from pdwatch.sidecar.settings import Settings
 
     started = []
 

@@ -11,7 +11,7 @@ from opentelemetry.exporter.otlp.proto.http import Compression
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
-from engine_patches.recorder import Recorder, RecorderConfig
+from pdwatch.engine_patches.recorder import Recorder, RecorderConfig
 from pdwatch import contract as c
 from tests.support.waiting import wait_for
 
@@ -205,7 +205,7 @@ def test_token_guards_ingest_and_api_but_not_metrics_or_health(live_sidecar):
 def test_serve_tunes_the_cyclic_gc_for_many_long_lived_legs():
     import gc
 
-    from sidecar.server import GC_YOUNG_THRESHOLD, tune_gc
+    from pdwatch.sidecar.server import GC_YOUNG_THRESHOLD, tune_gc
 
     before = gc.get_threshold()
     try:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from sidecar.diagnosis.classify import classify, verdict
-from sidecar.diagnosis.facts import ClusterFacts, GpuFacts, InstanceFacts
+from pdwatch.sidecar.diagnosis.classify import classify, verdict
+from pdwatch.sidecar.diagnosis.facts import ClusterFacts, GpuFacts, InstanceFacts
 
 IDLE = [GpuFacts("0", "GPU-a", 0.0, 163.0, 700.0), GpuFacts("1", "GPU-b", 0.01, 165.0, 700.0)]
 BUSY = [GpuFacts("2", "GPU-c", 0.99, 310.0, 700.0), GpuFacts("3", "GPU-d", 1.0, 305.0, 700.0)]

@@ -14,7 +14,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.trace.v1.trace_pb2 import Status
 
 from pdwatch import contract as c
-from sidecar.forward import SERVICE_NAME, retry_after_s, traces_url
+from pdwatch.sidecar.forward import SERVICE_NAME, retry_after_s, traces_url
 
 from tests.support.otlp_receiver import OtlpReceiver
 

@@ -224,7 +224,7 @@ def test_instance_down_after_three_silent_intervals_and_loop_stall(tracker, engi
 
 
 def test_open_legs_are_bounded_and_eviction_is_counted(clock, engines):
-    from sidecar.tracker import Tracker
+    from pdwatch.sidecar.tracker import Tracker
 
     tracker = Tracker(clock=clock, max_open_legs=3)
     d = engines("decode", "decode-0")

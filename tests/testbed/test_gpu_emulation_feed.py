@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-from testbed import scenarios
-from testbed.engine_status import STALE_AFTER_S, StatusWriter, read_status
-from testbed.gpu_emulation import STUB_LIBRARY, GpuEmulator
-from testbed.gpu_feed import Feed, GpuFeed
-from testbed.tp import ACK, STEP_BUSY, TpLeader
+from pdwatch.testbed import scenarios
+from pdwatch.testbed.engine_status import STALE_AFTER_S, StatusWriter, read_status
+from pdwatch.testbed.gpu_emulation import STUB_LIBRARY, GpuEmulator
+from pdwatch.testbed.gpu_feed import Feed, GpuFeed
+from pdwatch.testbed.tp import ACK, STEP_BUSY, TpLeader
 from tests.support.nvml_state import state_devices
 
 

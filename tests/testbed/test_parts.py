@@ -10,11 +10,11 @@ import time
 import pytest
 
 from pdwatch import contract as c
-from testbed import cli, kv, scenarios
-from testbed.processes import free_port
-from testbed.router import LoadGenerator, RequestRecord, Router, Truth
-from testbed.stack import Stack
-from testbed.wire import Conn, LineServer, WireError, decode, encode
+from pdwatch.testbed import cli, kv, scenarios
+from pdwatch.testbed.processes import free_port
+from pdwatch.testbed.router import LoadGenerator, RequestRecord, Router, Truth
+from pdwatch.testbed.stack import Stack
+from pdwatch.testbed.wire import Conn, LineServer, WireError, decode, encode
 
 
 def test_unknown_scenario_is_refused_with_the_choices():
@@ -133,7 +133,7 @@ def test_kv_pattern_is_deterministic_per_room():
 
 
 def test_stale_bootstrap_peer_keeps_naming_the_old_agent_of_a_restarted_decode():
-    from testbed.prefill import BootstrapPeers
+    from pdwatch.testbed.prefill import BootstrapPeers
 
     prefill = kv.make_agent("t-prefill")
     old, new = kv.make_agent("t-decode-0-old"), kv.make_agent("t-decode-0-new")
@@ -176,7 +176,7 @@ def test_cli_help_lists_the_scenarios(capsys):
 
 @pytest.mark.parametrize("room", [None, "12", -1, 1 << 63, True, 1.5])
 def test_a_bad_room_is_refused(room):
-    from testbed.wire import room_of
+    from pdwatch.testbed.wire import room_of
 
     with pytest.raises(WireError, match="room"):
         room_of({"room": room})

@@ -9,9 +9,9 @@ import time
 import pytest
 
 from pdwatch import contract as c
-from testbed.engine import BYTES_PER_TOKEN
-from testbed.processes import EngineStartError
-from testbed.stack import Stack
+from pdwatch.testbed.engine import BYTES_PER_TOKEN
+from pdwatch.testbed.processes import EngineStartError
+from pdwatch.testbed.stack import Stack
 
 from tests.support.otlp_receiver import OtlpReceiver
 from tests.support.waiting import wait_for
@@ -176,7 +176,7 @@ def test_start_failure_raises_clearly_and_leaves_no_process():
 
 
 def test_cli_runs_a_bounded_scenario_and_reports_what_the_router_saw(capsys):
-    from testbed import cli
+    from pdwatch.testbed import cli
 
     with OtlpReceiver() as sink:
         rc = cli.main(["--scenario", "healthy", "--otlp-endpoint", sink.url, "--rate", "4", "--duration-s", "2",

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from pdwatch import contract as c
-from testbed.gpu_emulation import GpuEmulator
-from testbed.stack import Stack
+from pdwatch.testbed.gpu_emulation import GpuEmulator
+from pdwatch.testbed.stack import Stack
 
 from tests.support.nvml_state import state_devices
 from tests.support.otlp_receiver import OtlpReceiver

@@ -1,6 +1,6 @@
 """Test infrastructure: the SGLang plugin that lets PD servers run on a CPU, with faults.
 
-Found only where `testbed.sglang_pd` puts this folder on PYTHONPATH (its
+Found only where `pdwatch.testbed.sglang_pd` puts this folder on PYTHONPATH (its
 dist-info names the entry point), so a GPU deployment never loads it. It does
 three things, none of them in pdwatch's own hooks:
 

@@ -1,6 +1,6 @@
 """Test infrastructure: loaded only in processes of pdwatch's live SGLang testbed.
 
-`testbed.sglang_pd` puts this folder on PYTHONPATH for the SGLang servers it
+`pdwatch.testbed.sglang_pd` puts this folder on PYTHONPATH for the SGLang servers it
 starts on a CPU, and nowhere else; a GPU deployment never sees it.
 
 PyPI's torchvision beside the CPU build of torch fails while registering its

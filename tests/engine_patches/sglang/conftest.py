@@ -29,7 +29,7 @@ def sglang_plugin():
     import sglang.srt.plugins as plugins
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    import engine_patches.sglang as pd_plugin
+    import pdwatch.engine_patches.sglang as pd_plugin
 
     # The modules the hooks patch, imported once for the whole session.
     import sglang.srt.disaggregation.decode  # noqa: F401

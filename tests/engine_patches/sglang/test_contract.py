@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from engine_patches.sglang import hooks
-from engine_patches.sglang.targets import TARGETS, Target
+from pdwatch.engine_patches.sglang import hooks
+from pdwatch.engine_patches.sglang.targets import TARGETS, Target
 
 # Modules that define the classes the hooks read fields of (Req, DecodeRequest,
 # NextBatchPlan, KV managers, peer registrations, requests from the tokenizer).

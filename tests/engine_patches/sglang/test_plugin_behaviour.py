@@ -38,10 +38,10 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
-from engine_patches.recorder import Recorder, RecorderConfig
-from engine_patches.sglang import hooks
-from engine_patches.sglang.state import state
-from engine_patches.sglang.targets import TARGETS
+from pdwatch.engine_patches.recorder import Recorder, RecorderConfig
+from pdwatch.engine_patches.sglang import hooks
+from pdwatch.engine_patches.sglang.state import state
+from pdwatch.engine_patches.sglang.targets import TARGETS
 
 ROOM = 9_001
 
@@ -400,8 +400,8 @@ def test_a_raising_hook_never_reaches_the_scheduler(sglang_plugin, gloo):
 
 
 def test_missing_target_disables_the_plugin_and_registers_nothing(sglang_plugin, monkeypatch, caplog):
-    import engine_patches.sglang as pd_plugin
-    from engine_patches.sglang import targets
+    import pdwatch.engine_patches.sglang as pd_plugin
+    from pdwatch.engine_patches.sglang import targets
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     ghost = targets.Target("sglang.srt.managers.scheduler.Scheduler.no_such_method", "after",
@@ -452,7 +452,7 @@ def test_unified_leg_queued_prefill_decode(sglang_plugin):
 
 
 def test_off_unless_enabled(sglang_plugin, monkeypatch):
-    import engine_patches.sglang as pd_plugin
+    import pdwatch.engine_patches.sglang as pd_plugin
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     monkeypatch.delenv("PDWATCH_SGLANG", raising=False)

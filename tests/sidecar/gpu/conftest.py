@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.gpu import GpuSampler
-from testbed.gpu_emulation import STATE_ENV, STUB_LIBRARY, GpuEmulator
+from pdwatch.sidecar.gpu import GpuSampler
+from pdwatch.testbed.gpu_emulation import STATE_ENV, STUB_LIBRARY, GpuEmulator
 
 REPO = Path(__file__).resolve().parents[3]
 DRIVER = "560.35.03-emulated"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sidecar.gpu import GpuCollector, InstanceClaim, Owner, parse_gpu_map
+from pdwatch.sidecar.gpu import GpuCollector, InstanceClaim, Owner, parse_gpu_map
 
 from .conftest import UUIDS
 

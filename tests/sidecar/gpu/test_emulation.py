@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from testbed.gpu_emulation import GpuEmulator
+from pdwatch.testbed.gpu_emulation import GpuEmulator
 
 
 def test_shapes_the_diagnosis_reads(gpus, make_sampler):

@@ -15,7 +15,7 @@ import pytest
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine_patches.recorder import Recorder, RecorderConfig
+from pdwatch.engine_patches.recorder import Recorder, RecorderConfig
 
 from tests.support.waiting import wait_for
 

@@ -22,11 +22,12 @@ from pathlib import Path
 import httpx
 import yaml
 
-from pdwatch.sidecar_process import free_port
+from pdwatch.testbed.sidecar_process import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
-RULES = ROOT / "alerts" / "pdwatch-alerts.yml"
-AM_CONFIG = ROOT / "alerts" / "alertmanager.example.yml"
+from pdwatch import alerts
+
+RULES = Path(alerts.__file__).resolve().parent / "pdwatch-alerts.yml"
+AM_CONFIG = RULES.with_name("alertmanager.example.yml")
 
 
 class MonitoringError(RuntimeError):
