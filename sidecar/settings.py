@@ -1,175 +1,121 @@
-"""The sidecar's settings: one typed object, each field from flag, else
-environment variable, else default, validated once at start.
+"""The sidecar's settings, declared once: each field's type, default, bounds and help.
 
-Every setting is listed in `FIELDS`, which also builds `pdwatch serve --help`,
-so the flags, the variables and the docs cannot drift apart.
+pydantic-settings reads a field from its environment variable (`PDWATCH_` + the
+field's name in capitals, the contract's section 11 names); `add_arguments`
+turns the same fields into `pdwatch serve` flags, which win over the
+environment; `markdown_table` writes the docs table. So flags, variables,
+defaults, validation and docs cannot drift apart.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
-import os
-from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Mapping
+from typing import Any, Literal, Mapping
+
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pdwatch import contract as c
 
-
-def _positive(kind: Callable[[str], Any]):
-    def parse(raw: str):
-        value = kind(raw)
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError("must be a finite number")
-        if value <= 0:
-            raise ValueError("must be positive")
-        return value
-
-    parse.__name__ = kind.__name__
-    return parse
+def _floor(stage: str) -> Any:
+    return Field(c.DEFAULT_FLOORS_S[stage], gt=0, allow_inf_nan=False,
+                 description=f"stuck floor of stage {stage}, seconds")
 
 
-def _non_negative(kind: Callable[[str], Any]):
-    def parse(raw: str):
-        value = kind(raw)
-        if value < 0:
-            raise ValueError("must be zero or more")
-        return value
+class Settings(BaseSettings):
+    """Every setting of `pdwatch serve`; see docs/sidecar.md for what each one does."""
 
-    parse.__name__ = kind.__name__
-    return parse
+    model_config = SettingsConfigDict(env_prefix=c.ENV_PREFIX, case_sensitive=False, frozen=True,
+                                      env_ignore_empty=True, extra="forbid")
 
+    host: str = Field(c.DEFAULT_HOST, description="address to bind (loopback by default)")
+    port: int = Field(c.DEFAULT_PORT, ge=0, le=65535,
+                      description="port to bind (4318 is OTLP/HTTP's, so engines reach it by default)")
+    token: str | None = Field(None, repr=False, description=(
+        "bearer token required by ingest, the API, /ui and /docs when set (/metrics and /healthz stay open)"))
+    floor_bootstrap_s: float = _floor("bootstrap")
+    floor_queued_s: float = _floor("queued")
+    floor_prefill_s: float = _floor("prefill")
+    floor_transfer_s: float = _floor("transfer")
+    floor_decode_s: float = _floor("decode")
+    flow_window_s: float = Field(c.DEFAULT_FLOW_WINDOW_S, gt=0, allow_inf_nan=False,
+                                 description="a cluster flows when some leg finished ok within this many seconds")
+    forward_otlp_endpoint: str | None = Field(None, description=(
+        "OTLP/HTTP base URL of a trace store to forward lifecycle, foreign and pd.stuck spans to"))
+    nvml: Literal["auto", "off"] = Field("auto", description="auto: sample GPUs when NVML loads; off: never")
+    gpu_interval_s: float = Field(1.0, gt=0, allow_inf_nan=False, description="GPU sampling interval, seconds")
+    gpu_map: str = Field("", description=(
+        "GPUs to attribute by configuration when no instance claims them, e.g. 0=default/decode/decode-0"))
+    max_body_bytes: int = Field(c.DEFAULT_MAX_BODY_BYTES, gt=0, description="largest OTLP body, after decompression")
+    max_open_legs: int = Field(200_000, gt=0, description="open legs tracked at once; newcomers past it are refused, counted")
+    max_closed_legs: int = Field(50_000, gt=0,
+                                 description="finished legs remembered for /api/v1/requests and de-duplication")
+    max_instances: int = Field(1024, gt=0, description="engine instances tracked; spans from more are rejected, counted")
+    instance_ttl_s: float = Field(3600.0, gt=0, allow_inf_nan=False, description=(
+        "an instance none of whose ranks sent anything for this long is forgotten with its open legs, counted"))
+    max_rss_bytes: int = Field(4 << 30, ge=0, description=(
+        "resident memory above which ingest answers 503 with Retry-After until it falls again; 0 = no limit"))
+    evaluate_interval_s: float = Field(0.5, gt=0, allow_inf_nan=False,
+                                       description="how often the judge runs (stuck rule, evidence, diagnosis), seconds")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
 
-def _port(raw: str) -> int:
-    value = int(raw)
-    if not 0 <= value <= 65535:
-        raise ValueError("must be 0..65535")
-    return value
-
-
-def _choice(*allowed: str):
-    def parse(raw: str) -> str:
-        if raw not in allowed:
-            raise ValueError(f"must be one of {', '.join(allowed)}")
-        return raw
-
-    parse.__name__ = "|".join(allowed)
-    return parse
-
-
-def _text(raw: str) -> str:
-    return raw
-
-
-@dataclass(frozen=True)
-class Field:
-    name: str  # attribute of Settings
-    env: str
-    parse: Callable[[str], Any]
-    help: str
-
-
-# Floors get one field each, named like the contract's variables.
-_FLOOR_FIELDS = [
-    Field(f"floor_{stage}_s", f"PDWATCH_FLOOR_{stage.upper()}_S", _positive(float),
-          f"stuck floor of stage {stage}, seconds")
-    for stage in c.ALL_STAGES
-]
-
-FIELDS: list[Field] = [
-    Field("host", "PDWATCH_HOST", _text, "address to bind (loopback by default)"),
-    Field("port", "PDWATCH_PORT", _port, "port to bind (4318 is OTLP/HTTP's, so engines reach it by default)"),
-    Field("token", "PDWATCH_TOKEN", _text,
-          "bearer token required by ingest and the API when set (/metrics and /healthz stay open)"),
-    *_FLOOR_FIELDS,
-    Field("flow_window_s", "PDWATCH_FLOW_WINDOW_S", _positive(float),
-          "a cluster flows when some leg finished ok within this many seconds"),
-    Field("forward_otlp_endpoint", "PDWATCH_FORWARD_OTLP_ENDPOINT", _text,
-          "OTLP/HTTP base URL of a trace store to forward lifecycle and pd.stuck spans to"),
-    Field("nvml", "PDWATCH_NVML", _choice("auto", "off"), "auto: sample GPUs when NVML loads; off: never"),
-    Field("gpu_interval_s", "PDWATCH_GPU_INTERVAL_S", _positive(float), "GPU sampling interval, seconds"),
-    Field("gpu_map", "PDWATCH_GPU_MAP", _text,
-          "GPUs to attribute by configuration when no instance claims them, e.g. 0=default/decode/decode-0"),
-    Field("max_body_bytes", "PDWATCH_MAX_BODY_BYTES", _positive(int), "largest OTLP body, after decompression"),
-    Field("max_open_legs", "PDWATCH_MAX_OPEN_LEGS", _positive(int),
-          "open legs tracked at once; the oldest is evicted beyond it, counted"),
-    Field("max_closed_legs", "PDWATCH_MAX_CLOSED_LEGS", _positive(int),
-          "finished legs remembered for /api/v1/requests and de-duplication"),
-    Field("max_instances", "PDWATCH_MAX_INSTANCES", _positive(int),
-          "engine instances tracked; spans from more are rejected, counted"),
-    Field("instance_ttl_s", "PDWATCH_INSTANCE_TTL_S", _positive(float),
-          "an instance none of whose ranks sent anything for this long is forgotten with its open legs, counted"),
-    Field("max_rss_bytes", "PDWATCH_MAX_RSS_BYTES", _non_negative(int),
-          "resident memory above which ingest answers 503 with Retry-After until it falls again; 0 = no limit"),
-    Field("evaluate_interval_s", "PDWATCH_EVALUATE_INTERVAL_S", _positive(float),
-          "how often the stuck rule runs, seconds"),
-    Field("log_level", "PDWATCH_LOG_LEVEL", _choice("debug", "info", "warning", "error"), "log level"),
-]
-
-
-@dataclass(frozen=True)
-class Settings:
-    host: str = "127.0.0.1"
-    port: int = 4318
-    token: str | None = None
-    floor_bootstrap_s: float = c.DEFAULT_FLOORS_S["bootstrap"]
-    floor_queued_s: float = c.DEFAULT_FLOORS_S["queued"]
-    floor_prefill_s: float = c.DEFAULT_FLOORS_S["prefill"]
-    floor_transfer_s: float = c.DEFAULT_FLOORS_S["transfer"]
-    floor_decode_s: float = c.DEFAULT_FLOORS_S["decode"]
-    flow_window_s: float = c.DEFAULT_FLOW_WINDOW_S
-    forward_otlp_endpoint: str | None = None
-    nvml: str = "auto"
-    gpu_interval_s: float = 1.0
-    gpu_map: str = ""
-    max_body_bytes: int = 16 * 1024 * 1024
-    max_open_legs: int = 200_000
-    max_closed_legs: int = 50_000
-    max_instances: int = 1024
-    instance_ttl_s: float = 3600.0
-    max_rss_bytes: int = 4 << 30
-    evaluate_interval_s: float = 0.5
-    log_level: str = "info"
-    # Not settable from outside: tests inject a clock.
-    extra: dict = field(default_factory=dict, compare=False, repr=False)
+    @field_validator("forward_otlp_endpoint")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value and not value.strip().startswith(("http://", "https://")):
+            raise ValueError("must be an http:// or https:// URL")
+        return value.strip() if value else None
 
     @property
     def floors(self) -> dict[str, float]:
-        return {stage: getattr(self, f"floor_{stage}_s") for stage in c.ALL_STAGES}
+        return {stage: float(getattr(self, f"floor_{stage}_s")) for stage in c.ALL_STAGES}
 
-    def __repr__(self) -> str:  # the token must never reach a log line
-        shown = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
-        if shown["token"]:
-            shown["token"] = "<set>"
-        return "Settings(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
+    def __repr_args__(self) -> Any:  # the token must never reach a log line
+        for name, value in super().__repr_args__():
+            yield name, value
+        yield "token", "<set>" if self.token else None
 
     @classmethod
-    def from_sources(cls, flags: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> "Settings":
-        """Flag value if given, else environment variable, else the default; raises ValueError naming the source."""
-        flags = flags or {}
-        env = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
-        for f in FIELDS:
-            raw, source = flags.get(f.name), f"--{f.name.replace('_', '-')}"
-            if raw is None:
-                raw, source = env.get(f.env), f.env
-                if raw is not None and raw.strip() == "":
-                    raw = None
-            if raw is None:
-                continue
-            try:
-                values[f.name] = f.parse(str(raw))
-            except ValueError as exc:
-                raise ValueError(f"{source}={raw!r}: {exc}") from None
-        return cls(**values)
+    def from_sources(cls, flags: Mapping[str, Any] | None = None) -> Settings:
+        """Flags that were given, else the environment, else defaults; a ValueError names the source."""
+        given = {k: v for k, v in (flags or {}).items() if v is not None and k in cls.model_fields}
+        try:
+            return cls(**given)
+        except ValidationError as exc:
+            raise ValueError("; ".join(_explain(error, given) for error in exc.errors())) from None
+
+
+def env_name(field: str) -> str:
+    return c.ENV_PREFIX + field.upper()
+
+
+def _explain(error: Any, flags: Mapping[str, Any]) -> str:
+    field = str(error["loc"][0]) if error.get("loc") else ""
+    source = f"--{field.replace('_', '-')}" if field in flags else env_name(field)
+    value = error.get("input")
+    message = str(error.get("msg", "invalid"))
+    if isinstance(value, Mapping):  # a model-level error carries the whole input
+        return f"{source}: {message}"
+    return f"{source}={value!r}: {message}"
+
+
+def _shown(default: Any) -> str:
+    return "unset" if default in (None, "") else str(default)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = Settings()
-    for f in FIELDS:
-        default = getattr(defaults, f.name)
-        shown = "unset" if default in (None, "") else default
+    """One flag per field, --field-name, typed as text: pydantic validates flags like variables."""
+    for name, info in Settings.model_fields.items():
         parser.add_argument(
-            f"--{f.name.replace('_', '-')}", dest=f.name, default=None, metavar=f.parse.__name__.strip('_').upper(),
-            help=f"{f.help} [env {f.env}, default {shown}]",
+            f"--{name.replace('_', '-')}", dest=name, default=None, metavar=name.upper().split("_")[-1],
+            help=f"{info.description} [env {env_name(name)}, default {_shown(info.default)}]",
         )
+
+
+def markdown_table() -> str:
+    """The settings table of docs/sidecar.md (a test keeps the two equal)."""
+    rows = ["| flag | variable | default | |", "|---|---|---|---|"]
+    for name, info in Settings.model_fields.items():
+        rows.append(f"| `--{name.replace('_', '-')}` | `{env_name(name)}` | {_shown(info.default)} | "
+                    f"{info.description} |")
+    return "\n".join(rows)

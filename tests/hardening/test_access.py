@@ -40,8 +40,9 @@ def listening_addresses(port: int) -> set[str]:
     return found
 
 
-def test_serve_binds_loopback_by_default_and_keeps_the_token_out_of_its_logs(tmp_path):
-    assert Settings.from_sources(vars(build_parser().parse_args([])), {}).host == "127.0.0.1"
+def test_serve_binds_loopback_by_default_and_keeps_the_token_out_of_its_logs(tmp_path, monkeypatch):
+    monkeypatch.delenv("PDWATCH_HOST", raising=False)
+    assert Settings.from_sources(vars(build_parser().parse_args([]))).host == "127.0.0.1"
     port = free_port()
     env = {**os.environ, "PDWATCH_TOKEN": TOKEN, "PDWATCH_PORT": str(port), "PDWATCH_NVML": "off",
            "PDWATCH_LOG_LEVEL": "debug"}

@@ -112,6 +112,7 @@ def test_caps_on_open_legs_instances_and_label_sets_hold_and_are_counted(live_si
             assert r.status_code == 200
             rejected = ExportTraceServiceResponse.FromString(r.content).partial_success.rejected_spans
             assert rejected == (0 if i < 2 else 1)
+        sc.judge_now()
         text = http.get("/metrics").text
     assert len(t.open) == 50 and t.evicted["open_limit"] == 30 + 2  # the decode legs found the table full
     assert metric(text, "pdwatch_legs_evicted_total", '{reason="open_limit"}') == 32
@@ -120,7 +121,7 @@ def test_caps_on_open_legs_instances_and_label_sets_hold_and_are_counted(live_si
     # Series (c0, decode, bootstrap) fills the cap of one; c1's observation is refused in both places.
     assert metric(text, "pdwatch_label_sets_refused_total") == 2
     assert text.count("pdwatch_stage_duration_seconds_count{") == 1
-    check_invariants(t)
+    sc.read(check_invariants, t)
 
 
 def test_legs_of_an_instance_that_vanished_are_evicted_after_the_ttl(live_sidecar, engines, clock):
@@ -137,6 +138,7 @@ def test_legs_of_an_instance_that_vanished_are_evicted_after_the_ttl(live_sideca
     for _ in range(7):  # 700 s: only one instance keeps heartbeating
         clock.advance(100)
         httpx.post(f"{sc.url}/v1/traces", content=alive.request(True).SerializeToString(), headers=PB)
+    sc.judge_now()
     stuck = httpx.get(f"{sc.url}/api/v1/stuck").json()
     assert [s["pd_instance"] for s in stuck] == ["decode-alive"]
     assert [k for k in t.instances] == [("default", "decode-alive")]
@@ -156,11 +158,12 @@ def test_legs_of_an_instance_that_vanished_are_evicted_after_the_ttl(live_sideca
 
 
 @pytest.mark.parametrize("name, value", [("PDWATCH_MAX_RSS_BYTES", "-1"), ("PDWATCH_INSTANCE_TTL_S", "0")])
-def test_bad_overload_settings_stop_the_start(name, value):
+def test_bad_overload_settings_stop_the_start(name, value, monkeypatch):
     from pdwatch.sidecar.settings import Settings
 
+    monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=name):
-        Settings.from_sources({}, {name: value})
+        Settings.from_sources({})
 
 
 def test_a_bug_while_applying_spans_answers_400_and_is_counted(live_sidecar, engines, clock, monkeypatch):
@@ -169,7 +172,7 @@ def test_a_bug_while_applying_spans_answers_400_and_is_counted(live_sidecar, eng
     def broken(request):
         raise KeyError("a pdwatch bug")
 
-    monkeypatch.setattr(sc.sidecar.tracker, "ingest", broken)
+    monkeypatch.setattr(sc.sidecar.tracker, "apply", broken)
     p = engines("prefill", "prefill-0")
     p.walk("p-1", 1, ("bootstrap",))
     r = httpx.post(f"{sc.url}/v1/traces", content=p.request().SerializeToString(), headers=PB)
