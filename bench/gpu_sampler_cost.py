@@ -26,7 +26,8 @@ sys.path.insert(0, str(REPO))
 
 from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
 
-from pdwatch.sidecar.gpu import GpuCollector, GpuSampler, InstanceClaim, Owner  # noqa: E402
+from pdwatch.sidecar.gpu.join import InstanceClaim, Owner  # noqa: E402
+from pdwatch.sidecar.gpu.sampler import GpuSampler  # noqa: E402
 from pdwatch.testbed.gpu_emulation import STATE_ENV, STUB_LIBRARY, GpuEmulator  # noqa: E402
 
 DEVICES = 8

@@ -20,6 +20,7 @@ import time
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
+from pdwatch.testbed.processes import free_port
 from pdwatch.engine_patches.recorder import Recorder, RecorderConfig
 
 
@@ -47,14 +48,6 @@ def per_call_ns(fn, n: int, repeat: int) -> tuple[float, float]:
         time.sleep(0.3)  # let the worker catch up so its work lands in this run
         total.append((time.process_time_ns() - p) / n)
     return statistics.median(own), statistics.median(total)
-
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def main() -> None:

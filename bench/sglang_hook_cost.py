@@ -1,3 +1,4 @@
+from pdwatch.testbed.processes import free_port
 """Added cost per hooked SGLang call on the scheduler thread, plugin off vs on, in one run.
 
 Loads pdwatch through SGLang's own `load_plugins()` (sglang 0.5.23, CPU), then
@@ -43,12 +44,6 @@ def per_call_ns(fn, n: int, repeat: int, reset=None) -> float:
             fn()
         runs.append((time.thread_time_ns() - t) / n)
     return statistics.median(runs)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def load_sglang_with_plugin():

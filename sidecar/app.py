@@ -1,4 +1,11 @@
-"""The sidecar's HTTP surface (contract section 7): thin handlers over the tracker."""
+"""The sidecar's HTTP surface (contract section 7): thin handlers over the `Sidecar`.
+
+Ingest reads the body on the event loop and hands parsing, decoding and
+applying to the tracker's worker thread, awaiting the result; every GET reads
+the judge's latest immutable evaluation (one request's detail is a read-only
+query on the worker). So the event loop never waits on the tracker, and no read
+changes anything.
+"""
 
 from __future__ import annotations
 
@@ -8,35 +15,32 @@ import hmac
 import logging
 import re
 import time
-from typing import Annotated
+from typing import Annotated, Any, AsyncIterator, Callable
 
 from fastapi import Depends, FastAPI, HTTPException, Request, Response
-from fastapi.responses import JSONResponse
-from prometheus_client import CollectorRegistry
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse
 from prometheus_client.exposition import choose_encoder
 
+from pdwatch import contract as c
+
 from . import views
-from .diagnosis.classify import verdict
-from .diagnosis.collector import DiagnosisCollector
-from .diagnosis.from_tracker import gather as gather_facts
-from .forward import ForwardCollector, from_settings as forwarder_from_settings
-from .gpu.collector import GpuCollector
-from .gpu.join import InstanceClaim, Owner, parse_gpu_map
-from .gpu.sampler import GpuSampler
-from .metrics import StageDurations, TrackerCollector
-from .otlp_body import PROTOBUF, BodyError, decompress, media_type, parse_request, response_body
-from .overload import RETRY_AFTER_S, GuardCollector, IngestGuard
+from .otlp_body import PROTOBUF, BodyError, decompress, media_type, response_body
+from .overload import RETRY_AFTER_S
+from .service import Sidecar
 from .settings import Settings
-from .tracker import Tracker
 
 log = logging.getLogger("pdwatch.sidecar")
 
 TRACE_ID = re.compile(r"^[0-9a-f]{32}$")
+# An oversized body is read to its end (and thrown away) up to this much, so the
+# client reads the 413 instead of a connection reset; past it, the connection closes.
+DRAIN_MAX_BYTES = 256 << 20
 
 
 # The ingest body is read by hand (streamed, size-limited), so FastAPI cannot
 # infer it: described here, so the schema (and schemathesis) know it.
-INGEST_OPENAPI = {
+INGEST_OPENAPI: dict[str, Any] = {
     "requestBody": {"required": True, "content": {
         "application/x-protobuf": {"schema": {"type": "string", "format": "binary"}},
         "application/json": {"schema": {"type": "object", "properties": {
@@ -52,51 +56,6 @@ INGEST_OPENAPI = {
 }
 
 
-class Sidecar:
-    """Everything one running sidecar owns: settings, tracker, metrics registry."""
-
-    def __init__(self, settings: Settings, *, clock=time.time_ns):
-        self.settings = settings
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.tracker = Tracker(
-            settings.floors,
-            flow_window_s=settings.flow_window_s,
-            max_open_legs=settings.max_open_legs,
-            max_closed_legs=settings.max_closed_legs,
-            max_instances=settings.max_instances,
-            instance_ttl_s=settings.instance_ttl_s,
-            clock=clock,
-        )
-        self.durations = StageDurations(self.tracker.lock)
-        self.tracker.on_stage_durations = self.durations.observe_many
-        self.registry.register(self.durations)
-        self.registry.register(TrackerCollector(self.tracker, self.durations))
-        self.gpu = GpuSampler(settings.gpu_interval_s, settings.nvml, library=settings.extra.get("nvml_library"))
-        self.gpu_map = parse_gpu_map(settings.gpu_map)
-        self.registry.register(GpuCollector(self.gpu, self.gpu_claims, self.gpu_map))
-        self.registry.register(DiagnosisCollector(self))
-        self.forwarder = forwarder_from_settings(self)
-        if self.forwarder is not None:
-            self.tracker.on_stuck = self.forwarder.on_stuck  # enqueues only: it runs under the tracker lock
-            self.registry.register(ForwardCollector(self.forwarder))
-        self.guard = IngestGuard(settings.max_rss_bytes)
-        self.registry.register(GuardCollector(self.guard))
-
-    def diagnosis(self) -> list[dict]:
-        return [verdict(facts) for facts in gather_facts(self)]
-
-    def gpu_claims(self) -> list[InstanceClaim]:
-        """What each engine process says it drives: GPU UUIDs and its PID, freshest heartbeat first."""
-        with self.tracker.lock:
-            incs = [(inst, inc) for inst in self.tracker.instances.values() for inc in inst.ranks.values()]
-            incs.sort(key=lambda pair: -pair[1].last_heartbeat_ns)
-            return [
-                InstanceClaim(Owner(inst.cluster, inst.role, inst.name), inc.gpu_uuids,
-                              (inc.pid,) if inc.pid else ())
-                for inst, inc in incs
-            ]
-
-
 async def authorized(request: Request) -> None:
     # async: a plain def dependency would hop to the thread pool on every request, ingest included.
     token = request.app.state.sidecar.settings.token
@@ -109,47 +68,69 @@ async def authorized(request: Request) -> None:
         raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
 
 
-# Ingest and the API need the token when one is set; /metrics and /healthz stay open.
+# Ingest, the API, /ui and the API docs need the token when one is set; /metrics and /healthz stay open.
 Auth = Annotated[None, Depends(authorized)]
 
 
-def create_app(settings: Settings | None = None, *, clock=time.time_ns, sidecar: Sidecar | None = None) -> FastAPI:
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        await _drain(request)
+        raise BodyError(413, f"body of {declared} bytes exceeds the limit of {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            await _drain(request)
+            raise BodyError(413, f"body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _drain(request: Request) -> None:
+    """Read what is left of a refused body, keeping none of it, so the client gets to read the answer."""
+    drained = 0
+    with contextlib.suppress(Exception):
+        async for chunk in request.stream():
+            drained += len(chunk)
+            if drained > DRAIN_MAX_BYTES:
+                break
+
+
+def create_app(settings: Settings | None = None, *, clock: Callable[[], int] = time.time_ns,
+               sidecar: Sidecar | None = None, **options: Any) -> FastAPI:
+    """The app over a new Sidecar (or the one given); `options` reach Sidecar (tests: nvml_library, ...)."""
     settings = settings or Settings()
-    sc = sidecar or Sidecar(settings, clock=clock)
+    sc = sidecar or Sidecar(settings, clock=clock, **options)
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        # The stuck rule runs on a timer too, so detections are counted even when nobody scrapes.
-        async def judge():
-            while True:
-                await asyncio.sleep(settings.evaluate_interval_s)
-                try:
-                    sc.tracker.evaluate()
-                except Exception:
-                    log.exception("stuck evaluation failed")
-
-        task = asyncio.create_task(judge())
-        sc.gpu.start()  # NVML is opened on the sampler's own thread
-        if sc.forwarder is not None:
-            sc.forwarder.start()
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        sc.start()
         try:
             yield
         finally:
-            task.cancel()
-            sc.gpu.stop()
-            if sc.forwarder is not None:
-                await asyncio.to_thread(sc.forwarder.stop)
+            await asyncio.to_thread(sc.stop)
 
     app = FastAPI(
         title="pdwatch sidecar",
         description="Finds the prefill/decode request that hangs while others flow.",
-        version="0.1.0",
+        version="0.2.0",
         lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,  # served below, behind the token like the API it describes
     )
     app.state.sidecar = sc
 
+    @app.get("/openapi.json", include_in_schema=False)
+    def openapi(_: Auth) -> JSONResponse:
+        return JSONResponse(app.openapi())
 
-    @app.post("/v1/traces", summary="OTLP/HTTP trace ingest (protobuf or JSON, optionally gzip)",
+    @app.get("/docs", include_in_schema=False)
+    def docs(_: Auth) -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="pdwatch sidecar API")
+
+    @app.post(c.PATH_INGEST, summary="OTLP/HTTP trace ingest (protobuf or JSON, optionally gzip)",
               openapi_extra=INGEST_OPENAPI)
     async def ingest(request: Request, _: Auth) -> Response:
         refusal = sc.guard.refusal()
@@ -158,68 +139,65 @@ def create_app(settings: Settings | None = None, *, clock=time.time_ns, sidecar:
         sc.guard.in_flight += 1
         try:
             media = media_type(request.headers.get("content-type"))
-            limit = settings.max_body_bytes
-            declared = request.headers.get("content-length")
-            if declared is not None and declared.isdigit() and int(declared) > limit:
-                raise BodyError(413, f"body of {declared} bytes exceeds the limit of {limit}")
-            chunks, size = [], 0
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise BodyError(413, f"body exceeds the limit of {limit} bytes")
-                chunks.append(chunk)
-            body = decompress(b"".join(chunks), request.headers.get("content-encoding"), limit)
-            otlp = parse_request(body, media)
+            raw = await _read_body(request, settings.max_body_bytes)
+            body = decompress(raw, request.headers.get("content-encoding"), settings.max_body_bytes)
             try:
-                applied = sc.tracker.ingest(otlp)
+                otlp, decoded, applied = await asyncio.wrap_future(sc.worker.submit(sc.ingest, body, media))
+            except BodyError:
+                raise
             except Exception:  # a bug here must not become a 500 that makes exporters retry forever
                 sc.guard.errors += 1
                 log.exception("ingest failed")
                 raise BodyError(400, "spans could not be applied") from None
             if sc.forwarder is not None:
-                # A bounded append; the worker thread sends. Nothing to drop: the body goes as it came.
-                sc.forwarder.submit(otlp, raw=body if media == PROTOBUF and not applied.other else None)
+                # A bounded append; the forwarder's thread sends. No heartbeat in it: the body goes as it came.
+                sc.forwarder.submit(otlp, decoded.spans - decoded.heartbeats,
+                                    raw=body if media == PROTOBUF and not decoded.heartbeats else None)
             message = "; ".join(dict.fromkeys(applied.messages))[:1024] if applied.rejected else ""
             return Response(response_body(applied.rejected, message, media), media_type=media)
         except BodyError as err:
-            return JSONResponse({"detail": err.message}, status_code=err.status)
+            headers = {"Connection": "close"} if err.status == 413 else None
+            return JSONResponse({"detail": err.message}, status_code=err.status, headers=headers)
         finally:
             sc.guard.in_flight -= 1
 
-    @app.get("/metrics", summary="Prometheus text; OpenMetrics with exemplars when asked for")
+    @app.get(c.PATH_METRICS, summary="Prometheus text; OpenMetrics with exemplars when asked for")
     def metrics(request: Request) -> Response:
         encoder, content_type = choose_encoder(request.headers.get("accept", ""))
         return Response(encoder(sc.registry), media_type=content_type)
 
-    @app.get("/api/v1/stuck", summary="Legs stuck past their stage's threshold")
-    def stuck(_: Auth) -> list[dict]:
-        return views.stuck_list(sc.tracker)
+    @app.get(c.PATH_STUCK, summary="Legs stuck past their stage's threshold or on evidence, oldest first")
+    def stuck(_: Auth) -> list[dict[str, Any]]:
+        return views.stuck_list(sc.latest())
 
-    @app.get("/api/v1/requests/{trace_id}", summary="Both legs of one request, with stages and times")
-    def request_detail(trace_id: str, _: Auth) -> dict:
+    @app.get(c.PATH_REQUEST, summary="Both legs of one request, with stages and times")
+    async def request_detail(trace_id: str, _: Auth) -> dict[str, Any]:
         trace_id = trace_id.lower()
         if not TRACE_ID.match(trace_id):
             raise HTTPException(400, "trace id must be 32 hex digits")
-        detail = views.request_detail(sc.tracker, trace_id)
+        detail = await asyncio.wrap_future(
+            sc.worker.submit(views.request_detail, sc.tracker, sc.latest(), trace_id))
         if detail is None:
             raise HTTPException(404, f"no leg of trace {trace_id} is known")
         return detail
 
-    @app.get("/api/v1/diagnosis", summary="Per cluster: failure family, confidence, evidence with figures, action")
-    def diagnosis(_: Auth) -> list[dict]:
-        return sc.diagnosis()
+    @app.get(c.PATH_DIAGNOSIS, summary="Per cluster: failure family, confidence, evidence with figures, action")
+    def diagnosis(_: Auth) -> list[dict[str, Any]]:
+        return list(sc.latest().diagnosis)
 
     @app.get("/api/v1/summary", summary="Per cluster: finished and open legs, flow, stuck; instances")
-    def summary(_: Auth) -> dict:
-        return views.summary(sc.tracker)
+    def summary(_: Auth) -> dict[str, Any]:
+        return views.summary(sc.latest())
 
-    @app.get("/healthz", summary="Liveness")
-    def healthz() -> dict:
+    @app.get(c.PATH_HEALTH, summary="Liveness")
+    async def healthz() -> dict[str, Any]:
+        ev = sc.latest()
         gpu = sc.gpu.snapshot()
         return {
             "status": "ok",
-            "tracked_legs": len(sc.tracker.open),
-            "instances": len(sc.tracker.instances),
+            "tracked_legs": ev.counters.tracked_legs,
+            "instances": ev.counters.tracked_instances,
+            "evaluated_unix_s": round(ev.at_ns / 1e9, 3),
             "gpu_telemetry": {"up": gpu.up, "reason": gpu.reason, "devices": len(gpu.devices), "driver": gpu.driver},
         }
 

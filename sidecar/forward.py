@@ -1,12 +1,13 @@
-"""Forwarding to a trace store: the engines' lifecycle spans, and a `pd.stuck`
-span per leg that becomes stuck (contract section 10).
+"""Forwarding to a trace store: the engines' lifecycle spans, spans that are not
+pdwatch's (another instrumentation's, untouched), and a `pd.stuck` span per leg
+that becomes stuck (contract section 10).
 
 Ingest must never wait on the trace store, so the two entry points only
 append to bounded deques under a short lock:
 
   submit(request)   from the ingest handler, after the tracker applied it
-                    (with its raw body when it holds lifecycle spans only);
-  on_stuck(...)     the tracker's callback, called under the tracker lock.
+                    (with its raw body when it holds no heartbeat);
+  stuck(legs, ...)  from the judge, once per leg that became stuck.
 
 A worker thread drains both, drops heartbeats, batches, and POSTs OTLP/HTTP
 protobuf to `<endpoint>/v1/traces`, retrying 429/502/503/504 and connection
@@ -25,7 +26,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
-from typing import Callable
+from typing import Any, Sequence
 
 import httpx
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
@@ -39,11 +40,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pdwatch import contract as c
 
+from .evaluation import StuckLeg, stuck_description
+
 log = logging.getLogger("pdwatch.sidecar.forward")
 
-# Spans worth a trace store: a leg and its stages. Heartbeats are the sidecar's
-# own bookkeeping (one every 2 s per process) and would only clutter traces.
-LIFECYCLE_SPANS = frozenset([c.SPAN_LEG, *(c.stage_span_name(s) for s in c.ALL_STAGES)])
 # OTLP/HTTP's retryable answers (OTLP specification, "Failures").
 RETRYABLE = frozenset((429, 502, 503, 504))
 SERVICE_NAME = "pdwatch-sidecar"
@@ -55,20 +55,10 @@ RESULTS = ("sent", "dropped", "failed")
 
 @dataclass(slots=True, frozen=True)
 class StuckEvent:
-    """What a pd.stuck span needs, copied off the leg at detection (the leg changes afterwards)."""
+    """A pd.stuck span to send: the stuck leg as the judge saw it, and the family it diagnosed then."""
 
-    trace_id: str
-    parent_span_id: str | None
-    cluster: str
-    role: str
-    stage: str
-    pd_instance: str
-    rid: str
-    room: int | None
-    start_ns: int  # stage entry, engine clock
-    end_ns: int  # detection, engine clock
-    age_s: float
-    threshold_s: float
+    leg: StuckLeg
+    family: str
 
 
 def traces_url(endpoint: str) -> str:
@@ -92,7 +82,7 @@ def retry_after_s(value: str | None) -> float | None:
         return None
 
 
-def _kv(key: str, value) -> KeyValue:
+def _kv(key: str, value: Any) -> KeyValue:
     if isinstance(value, bool):
         return KeyValue(key=key, value=AnyValue(bool_value=value))
     if isinstance(value, int):
@@ -102,33 +92,33 @@ def _kv(key: str, value) -> KeyValue:
     return KeyValue(key=key, value=AnyValue(string_value=str(value)))
 
 
-def stuck_description(ev: StuckEvent) -> str:
-    return f"stuck in {ev.stage} for {ev.age_s:.0f} s (threshold {ev.threshold_s:.0f} s)"
-
-
-def stuck_resource_spans(events: list[StuckEvent], family_of: Callable[[str], str]) -> list[ResourceSpans]:
+def stuck_resource_spans(events: Sequence[StuckEvent]) -> list[ResourceSpans]:
     """pd.stuck spans, one resource per cluster (contract section 10)."""
     by_cluster: dict[str, list[Span]] = {}
     for ev in events:
-        attrs = [_kv(c.A_ROLE, ev.role), _kv(c.A_STAGE, ev.stage), _kv(c.A_INSTANCE, ev.pd_instance),
-                 _kv(c.A_FAMILY, family_of(ev.cluster))]
-        if ev.rid:
-            attrs.append(_kv(c.A_RID, ev.rid))
-        if ev.room is not None:
-            attrs.append(_kv(c.A_ROOM, ev.room))
+        leg = ev.leg
+        attrs = [_kv(c.A_ROLE, leg.role), _kv(c.A_STAGE, leg.stage), _kv(c.A_INSTANCE, leg.pd_instance),
+                 _kv(c.A_FAMILY, ev.family), _kv(c.A_REASON, leg.reason)]
+        if leg.rid:
+            attrs.append(_kv(c.A_RID, leg.rid))
+        if leg.room is not None:
+            attrs.append(_kv(c.A_ROOM, leg.room))
+        # Engine clock, as the leg's own spans: from stage entry to the detection.
+        end_ns = max(leg.stuck_since_ns - leg.offset_ns, leg.stage_since_ns)
         span = Span(
-            trace_id=bytes.fromhex(ev.trace_id),
+            trace_id=bytes.fromhex(leg.trace_id),
             span_id=_span_id(),
             name=c.SPAN_STUCK,
             kind=Span.SPAN_KIND_INTERNAL,
-            start_time_unix_nano=ev.start_ns,
-            end_time_unix_nano=max(ev.end_ns, ev.start_ns),
+            start_time_unix_nano=leg.stage_since_ns,
+            end_time_unix_nano=end_ns,
             attributes=attrs,
-            status=Status(code=Status.STATUS_CODE_ERROR, message=stuck_description(ev)),
+            status=Status(code=Status.STATUS_CODE_ERROR,
+                          message=stuck_description(leg.stage, leg.age_s, leg.threshold_s, leg.reason)),
         )
-        if ev.parent_span_id:
-            span.parent_span_id = bytes.fromhex(ev.parent_span_id)
-        by_cluster.setdefault(ev.cluster, []).append(span)
+        if leg.span_id:
+            span.parent_span_id = bytes.fromhex(leg.span_id)
+        by_cluster.setdefault(leg.cluster, []).append(span)
     return [
         ResourceSpans(
             resource=Resource(attributes=[_kv(c.R_SERVICE_NAME, SERVICE_NAME), _kv(c.R_CLUSTER, cluster)]),
@@ -148,22 +138,18 @@ def _span_id() -> bytes:
             return sid.to_bytes(8, "big")
 
 
-def keep_lifecycle(request: ExportTraceServiceRequest) -> int:
-    """Remove every span that is not a lifecycle span, in place; returns the spans kept."""
+def drop_heartbeats(request: ExportTraceServiceRequest) -> int:
+    """Remove every pd.heartbeat span, in place; returns the spans kept (lifecycle and foreign)."""
     kept = 0
     for rs in request.resource_spans:
         for ss in rs.scope_spans:
             spans = ss.spans
             # Backwards, deleting by index: usually one heartbeat per batch goes.
             for i in range(len(spans) - 1, -1, -1):
-                if spans[i].name not in LIFECYCLE_SPANS:
+                if spans[i].name == c.SPAN_HEARTBEAT:
                     del spans[i]
             kept += len(spans)
     return kept
-
-
-def _count_spans(request: ExportTraceServiceRequest) -> int:
-    return sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
 
 
 class Forwarder:
@@ -181,9 +167,7 @@ class Forwarder:
         max_backoff_s: float = 30.0,
         timeout_s: float = 10.0,
         linger_s: float = 0.05,
-        headers: dict | None = None,
-        family_of: Callable[[str], str | None] | None = None,
-        offset_of: Callable[[object], int] | None = None,
+        headers: dict[str, str] | None = None,
     ):
         self.url = traces_url(endpoint)
         self.max_queue_spans = max_queue_spans
@@ -194,7 +178,6 @@ class Forwarder:
         self.timeout_s = timeout_s
         self.linger_s = linger_s
         self.headers = {"Content-Type": "application/x-protobuf", **(headers or {})}
-        self.family_of = family_of
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -210,39 +193,32 @@ class Forwarder:
 
     # ---- hot paths: append and return --------------------------------------
 
-    def submit(self, request: ExportTraceServiceRequest, raw: bytes | None = None) -> None:
-        """Queue a parsed OTLP request (heartbeats are removed later, on the worker).
+    def submit(self, request: ExportTraceServiceRequest, spans: int, raw: bytes | None = None) -> None:
+        """Queue a parsed OTLP request of `spans` spans (heartbeats are removed later, on the worker).
 
-        `raw` is the request's protobuf body when it holds lifecycle spans only:
-        then it is forwarded as it came, with no filtering or re-encoding.
+        `raw` is the request's protobuf body when it holds no heartbeat: then it
+        is forwarded as it came, with no filtering or re-encoding.
         """
-        n = _count_spans(request)
-        if not n:
+        if not spans:
             return
         with self._lock:
-            if self._queued_spans + n <= self.max_queue_spans:
-                self._requests.append((request if raw is None else raw, n))
-                self._queued_spans += n
+            if self._queued_spans + spans <= self.max_queue_spans:
+                self._requests.append((request if raw is None else raw, spans))
+                self._queued_spans += spans
                 self._wake.set()
                 return
-        # Full: count only what would have been forwarded (rare path, so the scan is affordable).
-        dropped = sum(1 for rs in request.resource_spans for ss in rs.scope_spans for s in ss.spans
-                      if s.name in LIFECYCLE_SPANS)
-        with self._lock:
-            self.spans[("lifecycle", "dropped")] += dropped
+            # Full: count what would have been forwarded (rare path, so the scan is affordable).
+            self.spans[("lifecycle", "dropped")] += sum(
+                1 for rs in request.resource_spans for ss in rs.scope_spans for s in ss.spans
+                if s.name != c.SPAN_HEARTBEAT)
 
-    def on_stuck(self, leg, age_s: float, threshold_s: float, now_ns: int) -> None:
-        """Tracker callback, under the tracker lock: copy a few fields, append, return."""
-        offset = leg.inc.offset_ns() if leg.inc is not None else 0
-        ev = StuckEvent(
-            trace_id=leg.trace_id, parent_span_id=leg.span_id, cluster=leg.cluster, role=leg.role,
-            stage=leg.stage or "", pd_instance=leg.pd_instance, rid=leg.rid, room=leg.room,
-            start_ns=leg.stage_since_ns, end_ns=now_ns - offset, age_s=age_s, threshold_s=threshold_s,
-        )
+    def stuck(self, legs: Sequence[StuckLeg], family: dict[str, str | None]) -> None:
+        """From the judge, once per leg that became stuck: append, return."""
         with self._lock:
-            if len(self._stuck) == self._stuck.maxlen:
-                self.spans[("stuck", "dropped")] += 1  # the deque drops its oldest
-            self._stuck.append(ev)
+            for leg in legs:
+                if len(self._stuck) == self._stuck.maxlen:
+                    self.spans[("stuck", "dropped")] += 1  # the deque drops its oldest
+                self._stuck.append(StuckEvent(leg, family.get(leg.cluster) or UNKNOWN_FAMILY))
             self._wake.set()
 
     # ---- state ---------------------------------------------------------------
@@ -303,34 +279,21 @@ class Forwarder:
                 if stopping:
                     return
 
-    def _family(self, cluster: str, cache: dict) -> str:
-        if cluster not in cache:
-            family = None
-            if self.family_of is not None:
-                try:
-                    family = self.family_of(cluster)
-                except Exception:
-                    log.exception("diagnosis for pd.stuck failed")
-            cache[cluster] = family or UNKNOWN_FAMILY
-        return cache[cluster]
-
     def _forward(self, client: httpx.Client, stuck: list[StuckEvent], batch: list) -> None:
         # Serialized messages concatenate into one whose repeated fields are
         # the union (protobuf's merge rule), so a batch is the requests' bytes
         # joined: no span is copied from one message into another.
         parts, n_stuck, n_life = [], 0, 0
         if stuck:
-            cache: dict = {}
-            out = ExportTraceServiceRequest(
-                resource_spans=stuck_resource_spans(stuck, lambda cl: self._family(cl, cache)))
+            out = ExportTraceServiceRequest(resource_spans=stuck_resource_spans(stuck))
             parts.append(out.SerializeToString())
             n_stuck = len(stuck)
         for req, n in batch:
-            if isinstance(req, bytes):  # lifecycle spans only, as received
+            if isinstance(req, bytes):  # no heartbeat in it: as received
                 n_life += n
                 parts.append(req)
                 continue
-            kept = keep_lifecycle(req)
+            kept = drop_heartbeats(req)
             if kept:
                 n_life += kept
                 parts.append(req.SerializeToString())
@@ -403,7 +366,8 @@ class ForwardCollector:
     def collect(self):
         fwd = self.fwd
         spans = CounterMetricFamily(
-            "pdwatch_forward_spans", "Spans forwarded to the trace store, by kind (lifecycle or pd.stuck) and result: "
+            "pdwatch_forward_spans", "Spans forwarded to the trace store, by kind (lifecycle: the engines' spans as received, with "
+            "foreign spans and without heartbeats; stuck: pd.stuck) and result: "
             "sent, dropped (queue full) or failed (refused, or retries ran out).", labels=["kind", "result"])
         with fwd._lock:
             counts = dict(fwd.spans)
@@ -419,18 +383,6 @@ class ForwardCollector:
                                   value=fwd.requests_sent)
 
 
-def diagnosed_family(sidecar, cluster: str) -> str | None:
-    """The family the sidecar's diagnosis currently names for a cluster (None when healthy or unknown)."""
-    for v in sidecar.diagnosis():
-        if v.get("cluster") == cluster:
-            return v.get("family")
-    return None
-
-
-def from_settings(sidecar) -> Forwarder | None:
-    """The sidecar's forwarder when PDWATCH_FORWARD_OTLP_ENDPOINT is set; tests tune it via settings.extra['forward']."""
-    endpoint = sidecar.settings.forward_otlp_endpoint
-    if not endpoint:
-        return None
-    return Forwarder(endpoint, family_of=lambda cluster: diagnosed_family(sidecar, cluster),
-                     **sidecar.settings.extra.get("forward", {}))
+def from_settings(endpoint: str | None, **options: Any) -> Forwarder | None:
+    """The sidecar's forwarder when PDWATCH_FORWARD_OTLP_ENDPOINT is set; `options` tune it (tests)."""
+    return Forwarder(endpoint, **options) if endpoint else None

@@ -1,8 +1,9 @@
-"""Prometheus exposition of the tracker (contract section 6).
+"""Prometheus exposition of the judge's latest evaluation (contract section 6).
 
-Client_python style: collectors build fresh metric families from tracker
-state on each scrape, so no gauge can go stale and label sets are exactly
-those of live instances; ingest only bumps plain counters.
+Client_python style: collectors build fresh metric families from one
+immutable `Evaluation` on each scrape, so no gauge can go stale, label sets
+are exactly those of live instances, and a scrape takes no lock and changes
+nothing. Ingest only bumps plain counters and the stage-duration buckets.
 """
 
 from __future__ import annotations
@@ -10,36 +11,32 @@ from __future__ import annotations
 import bisect
 import math
 import time
+from typing import Any, Callable, Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.samples import Exemplar
 from prometheus_client.utils import floatToGoString
 
 from pdwatch import contract as c
 
-from .tracker import Tracker
+from .evaluation import Evaluation, Histogram
 
 # Seconds; from sub-millisecond KV transfers to multi-minute generations.
 DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 15, 30, 60, 120, 300, 600)
-STUCK_INFO_TOP = 20
-
-L_INST = ["cluster", "role", "pd_instance"]
-L_GROUP = ["cluster", "role", "stage", "pd_instance"]
 
 
 class StageDurations:
-    """pdwatch_stage_duration_seconds with a trace_id exemplar per bucket.
+    """The buckets of pdwatch_stage_duration_seconds, with a trace_id exemplar per bucket.
 
-    Kept as plain bucket counts rather than a client `Histogram`: that one
-    validates the exemplar's labels on every observation, which cost more than
-    the rest of ingest together. Exposition still goes through
-    prometheus_client's `HistogramMetricFamily`.
+    Written by the tracker's thread on ingest and copied by the judge on the
+    same thread, so it needs no lock. Kept as plain bucket counts rather than
+    a client `Histogram`: that one validates the exemplar's labels on every
+    observation, which cost more than the rest of ingest together.
     """
 
-    def __init__(self, lock, max_label_sets: int = 4096, clock=time.time):
-        self.lock = lock  # the tracker's: observations happen under it
+    def __init__(self, max_label_sets: int = 4096, clock: Callable[[], float] = time.time):
         self.bounds = DURATION_BUCKETS
-        self._series: dict = {}  # (cluster, role, stage) -> [counts, exemplars, sum]
+        self._series: dict[tuple[str, str, str], list[Any]] = {}  # key -> [counts, exemplars, sum]
         self.max_label_sets = max_label_sets
         self.refused = 0
         self.clock = clock
@@ -61,160 +58,172 @@ class StageDurations:
             exemplars[i] = (trace_id, value, at)
         series[2] += sum(seconds)
 
-    def describe(self):
-        return []
-
-    def collect(self):
-        family = HistogramMetricFamily(
-            "pdwatch_stage_duration_seconds",
-            "Time legs spent in each stage, from the engines' finished stage spans.",
-            labels=["cluster", "role", "stage"],
-        )
-        with self.lock:
-            for key, (counts, exemplars, total) in sorted(self._series.items()):
-                buckets, running = [], 0
-                for bound, count, ex in zip((*self.bounds, math.inf), counts, exemplars):
-                    running += count
-                    le = "+Inf" if bound == math.inf else floatToGoString(bound)
-                    if ex is None:
-                        buckets.append((le, running))
-                    else:
-                        buckets.append((le, running, Exemplar({"trace_id": ex[0]}, ex[1], ex[2])))
-                family.add_metric(list(key), buckets, total)
-        return [family]
+    def snapshot(self) -> Histogram:
+        return Histogram(self.bounds, {k: (tuple(v[0]), tuple(v[1]), v[2]) for k, v in self._series.items()})
 
 
-class TrackerCollector:
-    def __init__(self, tracker: Tracker, durations: StageDurations | None = None):
-        self.tracker = tracker
-        self.durations = durations
+Latest = Callable[[], Evaluation]
 
-    def describe(self):
-        return []  # built per scrape; nothing to pre-register
 
-    def collect(self):
-        t = self.tracker
-        # Built in full under the lock, handed over after it is released.
-        with t.lock:
-            ev = t.evaluate()
-            return [*self._legs(t, ev), *self._instances(t, ev.at_ns), *self._own(t)]
+def _gauge(metric: c.Metric, help_text: str) -> GaugeMetricFamily:
+    return GaugeMetricFamily(metric.name, help_text, labels=list(metric.labels))
 
-    def _legs(self, t: Tracker, ev):
-        inflight = GaugeMetricFamily("pdwatch_inflight_requests",
-                                     "Open legs per stage, as the engines' latest heartbeats count them.", labels=L_GROUP)
-        stuck = GaugeMetricFamily("pdwatch_stuck_requests",
-                                  "Open legs past their stage's stuck threshold.", labels=L_GROUP)
-        oldest = GaugeMetricFamily("pdwatch_oldest_stage_age_seconds",
-                                   "Age of the oldest open leg in each stage (decode: since its last new token).",
-                                   labels=L_GROUP)
-        for inst in t.instances.values():
-            owner = inst.owner
-            counts = owner.open_counts if owner is not None else {}
+
+def _counter(metric: c.Metric, help_text: str) -> CounterMetricFamily:
+    return CounterMetricFamily(metric.name, help_text, labels=list(metric.labels))
+
+
+class DurationCollector:
+    def __init__(self, latest: Latest):
+        self._latest = latest
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        hist = self._latest().histogram
+        family = HistogramMetricFamily(c.STAGE_DURATION.name,
+                                       "Time legs spent in each stage, from the engines' finished stage spans.",
+                                       labels=list(c.STAGE_DURATION.labels))
+        for key, (counts, exemplars, total) in sorted(hist.series.items()):
+            buckets: list[Any] = []
+            running = 0
+            for bound, count, ex in zip((*hist.bounds, math.inf), counts, exemplars):
+                running += count
+                le = "+Inf" if bound == math.inf else floatToGoString(bound)
+                if ex is None:
+                    buckets.append((le, running))
+                else:
+                    buckets.append((le, running, Exemplar({c.L_TRACE_ID: ex[0]}, ex[1], ex[2])))
+            family.add_metric(list(key), buckets, total)
+        yield family
+
+
+class EvaluationCollector:
+    """Everything the judge found about legs and instances, and the sidecar's own ingest counters."""
+
+    def __init__(self, latest: Latest):
+        self._latest = latest
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())  # built per scrape; nothing to pre-register
+
+    def collect(self) -> Iterator[Metric]:
+        ev = self._latest()
+        yield from self._legs(ev)
+        yield from self._instances(ev)
+        yield from self._own(ev)
+
+    @staticmethod
+    def _legs(ev: Evaluation) -> Iterator[Metric]:
+        inflight = _gauge(c.INFLIGHT, "Open legs per stage, as the engines' latest heartbeats count them.")
+        stuck = _gauge(c.STUCK, "Open legs stuck: past their stage's threshold, or on evidence (contract section 5b).")
+        evidence = _gauge(c.STUCK_EVIDENCE, "The stuck legs that are stuck on evidence, by reason: peer_gone, "
+                                            "loop_frozen, engine_error.")
+        oldest = _gauge(c.OLDEST_AGE, "Age of the oldest open leg in each stage (decode: since its last new token).")
+        for inst in ev.instances:
             for stage in c.STAGES[inst.role]:
                 labels = [inst.cluster, inst.role, stage, inst.name]
-                group = ev.groups.get((inst.cluster, inst.role, stage, inst.name), (0, 0.0))
-                inflight.add_metric(labels, counts.get(stage, 0))
-                stuck.add_metric(labels, group[0])
-                oldest.add_metric(labels, round(group[1], 3))
-        yield inflight
-        yield stuck
-        yield oldest
+                group = ev.groups.get((inst.cluster, inst.role, stage, inst.name))
+                inflight.add_metric(labels, inst.open_counts.get(stage, 0))
+                stuck.add_metric(labels, group.stuck if group else 0)
+                oldest.add_metric(labels, group.oldest_age_s if group else 0.0)
+                for reason in c.EVIDENCE_REASONS:
+                    evidence.add_metric([*labels, reason], group.evidence.get(reason, 0) if group else 0)
+        yield from (inflight, stuck, evidence, oldest)
 
-        thr = GaugeMetricFamily("pdwatch_stuck_threshold_seconds",
-                                "Current stuck threshold: max(floor, 3 x p99 of recent durations).",
-                                labels=["cluster", "role", "stage"])
-        for (cluster, role, stage), seconds in sorted(ev.thresholds.items()):
-            thr.add_metric([cluster, role, stage], seconds)
+        thr = _gauge(c.THRESHOLD, "Current stuck threshold: max(floor, 3 x p99 of recent durations).")
+        for key, seconds in sorted(ev.thresholds.items()):
+            thr.add_metric(list(key), seconds)
         yield thr
 
-        info = GaugeMetricFamily("pdwatch_stuck_request_info",
-                                 "Stage age in seconds of each of the oldest stuck legs, named by trace id.",
-                                 labels=L_GROUP + ["trace_id", "rid"])
-        for s in ev.stuck[:STUCK_INFO_TOP]:
-            leg = s.leg
-            info.add_metric([leg.cluster, leg.role, leg.stage, leg.pd_instance, leg.trace_id, leg.rid], round(s.age_s, 3))
+        info = _gauge(c.STUCK_INFO, "Stage age in seconds of each of the oldest stuck legs, named by trace id, "
+                                    "with the reason it is stuck.")
+        for s in ev.stuck[:c.STUCK_INFO_TOP]:
+            info.add_metric([s.cluster, s.role, s.stage, s.pd_instance, s.trace_id, s.rid, s.reason], round(s.age_s, 3))
         yield info
 
-        flowing = GaugeMetricFamily("pdwatch_cluster_flowing",
-                                    "1 when some leg of the cluster finished ok within the flow window.",
-                                    labels=["cluster"])
+        flowing = _gauge(c.CLUSTER_FLOWING, "1 when some leg of the cluster finished ok within the flow window.")
         for cluster, value in sorted(ev.flowing.items()):
             flowing.add_metric([cluster], 1 if value else 0)
         yield flowing
 
-        finished = CounterMetricFamily("pdwatch_requests_finished", "Legs finished, by outcome.",
-                                       labels=L_INST + ["outcome"])
-        for (cluster, role, inst, outcome), n in sorted(t.finished.items()):
-            finished.add_metric([cluster, role, inst, outcome], n)
+        counts = ev.counters
+        finished = _counter(c.FINISHED, "Legs finished, by outcome.")
+        for key, n in sorted(counts.finished.items()):
+            finished.add_metric(list(key), n)
         yield finished
-
         probes = CounterMetricFamily("pdwatch_probe_requests_finished",
-                                     "Engine probe legs (warm-ups, health checks) finished, by outcome; "
-                                     "counted apart from pdwatch_requests_finished_total and never as flow.",
-                                     labels=L_INST + ["outcome"])
-        for (cluster, role, inst, outcome), n in sorted(t.probes_finished.items()):
-            probes.add_metric([cluster, role, inst, outcome], n)
+                                     "Engine probe legs (warm-ups, health checks) finished, by outcome; counted apart "
+                                     "from pdwatch_requests_finished_total and never as flow.",
+                                     labels=list(c.FINISHED.labels))
+        for key, n in sorted(counts.probes_finished.items()):
+            probes.add_metric(list(key), n)
         yield probes
-
-        detected = CounterMetricFamily("pdwatch_stuck_detected", "Legs found stuck, each counted once.",
-                                       labels=["cluster", "role", "stage"])
-        for (cluster, role, stage), n in sorted(t.stuck_detected.items()):
-            detected.add_metric([cluster, role, stage], n)
+        detected = _counter(c.STUCK_DETECTED, "Legs found stuck, each counted once.")
+        for key, n in sorted(counts.stuck_detected.items()):
+            detected.add_metric(list(key), n)
         yield detected
 
-    def _instances(self, t: Tracker, now: int):
-        up = GaugeMetricFamily("pdwatch_instance_up", "1 while every rank of the instance heartbeats.", labels=L_INST)
-        start = GaugeMetricFamily("pdwatch_instance_start_time_seconds",
-                                  "Start time of the instance's current process (rank 0), Unix seconds.", labels=L_INST)
-        restarts = CounterMetricFamily("pdwatch_instance_restarts",
-                                       "New processes seen under the same pd.instance.", labels=L_INST)
-        stalled = GaugeMetricFamily("pdwatch_engine_loop_stalled",
-                                    "1 when a rank heartbeats but its scheduler loop counter stopped moving.",
-                                    labels=L_INST)
+    @staticmethod
+    def _instances(ev: Evaluation) -> Iterator[Metric]:
+        up = _gauge(c.INSTANCE_UP, "1 while every rank of the instance heartbeats.")
+        start = _gauge(c.INSTANCE_START, "Start time of the instance's current process (rank 0), Unix seconds.")
+        restarts = _counter(c.INSTANCE_RESTARTS, "New processes seen under the same pd.instance.")
+        stalled = _gauge(c.LOOP_STALLED, "1 when a rank heartbeats but its scheduler loop counter stopped moving.")
+        frozen = GaugeMetricFamily("pdwatch_engine_loop_frozen",
+                                   "1 while a rank's loop stands still with legs open past the loop rule of contract "
+                                   "section 5b (its legs are stuck on evidence, loop_frozen).",
+                                   labels=list(c.INSTANCE_KEY))
         age = GaugeMetricFamily("pdwatch_instance_heartbeat_age_seconds",
-                                "Seconds since the instance's stalest rank last heartbeated.", labels=L_INST)
-        for inst in t.instances.values():
+                                "Seconds since the instance's stalest rank last heartbeated.", labels=list(c.INSTANCE_KEY))
+        for inst in ev.instances:
             labels = [inst.cluster, inst.role, inst.name]
-            owner = inst.owner
-            up.add_metric(labels, 1 if t.instance_up(inst, now) else 0)
-            if owner is not None and owner.start_ns:
-                start.add_metric(labels, owner.start_ns / 1e9)
+            up.add_metric(labels, 1 if inst.up else 0)
+            if inst.start_ns:
+                start.add_metric(labels, inst.start_ns / 1e9)
             restarts.add_metric(labels, inst.restarts)
-            stalled.add_metric(labels, 1 if t.loop_stalled(inst, now) else 0)
-            beats = [inc.last_heartbeat_ns for inc in inst.ranks.values() if inc.last_heartbeat_ns]
-            if beats:
-                age.add_metric(labels, round((now - min(beats)) / 1e9, 3))
-        yield from (up, start, restarts, stalled, age)
+            stalled.add_metric(labels, 1 if inst.loop_stalled else 0)
+            frozen.add_metric(labels, 1 if inst.loop_frozen else 0)
+            if inst.heartbeat_age_s is not None:
+                age.add_metric(labels, round(inst.heartbeat_age_s, 3))
+        yield from (up, start, restarts, stalled, frozen, age)
 
-    def _own(self, t: Tracker):
-        received = CounterMetricFamily("pdwatch_spans_received", "Spans received on /v1/traces.")
-        received.add_metric([], t.spans_received)
-        rejected = CounterMetricFamily("pdwatch_spans_rejected", "Spans that could not be used, by reason.",
-                                       labels=["reason"])
-        for reason, n in t.rejected.items():
-            rejected.add_metric([reason], n)
-        duplicates = CounterMetricFamily("pdwatch_spans_duplicate",
-                                         "Spans and heartbeats received again or late; applied once only.")
-        duplicates.add_metric([], t.duplicates)
-        heartbeats = CounterMetricFamily("pdwatch_heartbeats_received", "Heartbeats applied.")
-        heartbeats.add_metric([], t.heartbeats_received)
-        tracked = GaugeMetricFamily("pdwatch_tracked_legs", "Open legs the sidecar tracks.")
-        tracked.add_metric([], len(t.open))
-        instances = GaugeMetricFamily("pdwatch_tracked_instances", "Engine instances the sidecar tracks.")
-        instances.add_metric([], len(t.instances))
-        evicted = CounterMetricFamily("pdwatch_legs_evicted",
-                                      "Legs dropped from tracking: open_limit (new legs refused at the memory cap), "
-                                      "closed_limit (finished legs forgotten at the history cap), vanished (gone from their engine's inventory without a leg span), "
-                                      "instance_gone (their instance sent nothing for PDWATCH_INSTANCE_TTL_S).",
-                                      labels=["reason"])
-        for reason, n in t.evicted.items():
-            evicted.add_metric([reason], n)
-        expired = CounterMetricFamily("pdwatch_instances_expired",
-                                      "Instances forgotten after sending nothing for PDWATCH_INSTANCE_TTL_S.")
-        expired.add_metric([], t.instances_expired)
-        yield from (received, rejected, duplicates, heartbeats, tracked, instances, evicted, expired)
-        if self.durations is not None:
-            refused = CounterMetricFamily("pdwatch_label_sets_refused",
-                                          "Observations dropped because a metric reached its label-set cap.")
-            refused.add_metric([], self.durations.refused + t.thresholds.keys_refused)
-            yield refused
+    @staticmethod
+    def _own(ev: Evaluation) -> Iterator[Metric]:
+        n = ev.counters
+        yield CounterMetricFamily(c.SPANS_RECEIVED.name, "Spans received on /v1/traces.", value=n.spans_received)
+        rejected = _counter(c.SPANS_REJECTED, "Spans that could not be used, by reason.")
+        for reason, count in n.spans_rejected.items():
+            rejected.add_metric([reason], count)
+        yield rejected
+        yield CounterMetricFamily("pdwatch_spans_foreign",
+                                  "Spans that are not pdwatch's (another instrumentation's, on the same endpoint): "
+                                  "neither applied nor rejected; forwarded when forwarding is on.",
+                                  value=n.spans_foreign)
+        yield CounterMetricFamily("pdwatch_spans_duplicate",
+                                  "Spans and heartbeats received again or late; applied once only.", value=n.duplicates)
+        yield CounterMetricFamily("pdwatch_heartbeats_received", "Heartbeats applied.", value=n.heartbeats)
+        yield GaugeMetricFamily(c.TRACKED_LEGS.name, "Open legs the sidecar tracks.", value=n.tracked_legs)
+        yield GaugeMetricFamily("pdwatch_tracked_instances", "Engine instances the sidecar tracks.",
+                                value=n.tracked_instances)
+        yield GaugeMetricFamily("pdwatch_gone_peers",
+                                "Peer ids (KV agent names, bootstrap addresses) of ended processes the sidecar "
+                                "remembers for the peer_gone rule.", value=n.gone_peers)
+        evicted = CounterMetricFamily(
+            "pdwatch_legs_evicted",
+            "Legs dropped from tracking: open_limit (new legs refused at the memory cap), closed_limit (finished legs "
+            "forgotten at the history cap), vanished (gone from their engine's inventory without a leg span), "
+            "instance_gone (their instance sent nothing for PDWATCH_INSTANCE_TTL_S).", labels=["reason"])
+        for reason, count in n.evicted.items():
+            evicted.add_metric([reason], count)
+        yield evicted
+        yield CounterMetricFamily("pdwatch_instances_expired",
+                                  "Instances forgotten after sending nothing for PDWATCH_INSTANCE_TTL_S.",
+                                  value=n.instances_expired)
+        yield CounterMetricFamily("pdwatch_label_sets_refused",
+                                  "Observations dropped because a metric reached its label-set cap.",
+                                  value=n.label_sets_refused)
+        yield GaugeMetricFamily("pdwatch_evaluation_timestamp_seconds",
+                                "When the judge made the evaluation this scrape shows, Unix seconds.",
+                                value=ev.at_ns / 1e9)

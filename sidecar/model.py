@@ -1,20 +1,26 @@
-"""The sidecar's state objects: engine instances, their process incarnations,
-legs and clusters. Plain data; the tracker owns the rules that change them."""
+"""The tracker's state: engine instances, their process incarnations, legs and clusters.
+
+Plain mutable data, owned by the one thread that runs the tracker (ingest and
+the judge); readers never see these objects, only the immutable views of
+`evaluation.py`.
+"""
 
 from __future__ import annotations
 
 from array import array
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from pdwatch import contract as c
 
-_STAGE_NO = {stage: i for i, stage in enumerate(c.ALL_STAGES)}
+STAGE_NO = {stage: i for i, stage in enumerate(c.ALL_STAGES)}
 
 # Heartbeats whose (receive - send) time feed the clock offset estimate.
 OFFSET_SAMPLES = 16
 # Below this, a measured offset is export latency rather than clock skew.
 MIN_SKEW_NS = 1_000_000_000
+# Loop stalls remembered per rank (each at most one per heartbeat; the window prunes them).
+MAX_STALLS = 512
 
 
 @dataclass(slots=True, eq=False)
@@ -31,21 +37,31 @@ class Incarnation:
     service: str
     version: str
     first_seen_ns: int  # sidecar clock
+    peer_ids: tuple[str, ...] = ()
     last_seen_ns: int = 0  # any span
     last_heartbeat_ns: int = 0  # sidecar clock; 0 = none yet
-    interval_s: float = 2.0
+    interval_s: float = c.DEFAULT_HEARTBEAT_S
     seq: int = -1
     loop_iterations: int | None = None
-    loop_changed_ns: int = 0
+    # Sidecar times of the first and the latest heartbeat that showed the current loop count:
+    # between them the loop was seen not to advance.
+    loop_since_ns: int = 0
+    loop_seen_ns: int = 0
+    loop_moves: bool = False  # seen to advance at least once: this engine counts its loop
+    # (when, seconds) of each loop stall seen while the instance had open legs.
+    stalls: deque = field(default_factory=lambda: deque(maxlen=MAX_STALLS))
     tokens_generated: int = 0
     completed: int = 0
     failed: int = 0
     open_total: int | None = None
+    # Sidecar time since which every inventory of this process listed open legs; 0 = idle.
+    busy_since_ns: int = 0
     open_counts: dict = field(default_factory=dict)
     # Engine-side counters pdwatch adds beside the contract (pdwatch.*, pd.engine.*).
     extra: dict = field(default_factory=dict)
     offsets: deque = field(default_factory=lambda: deque(maxlen=OFFSET_SAMPLES))
     keys: set = field(default_factory=set)  # open legs this process listed or reported
+    down_since_ns: int = 0  # sidecar clock, while the judge finds it down
 
     def offset_ns(self) -> int:
         """Sidecar clock minus engine clock, when they differ by more than export latency."""
@@ -96,6 +112,7 @@ class Leg:
     stage_since_ns: int = 0  # engine clock
     progress_ns: int = 0  # engine clock: last new token (decode) or stage entry
     tokens: int = 0
+    prompt_tokens: int | None = None
     # The leg's last stage ended (a stage span said so); its leg span is due.
     stage_done: bool = False
     arrive_ns: int | None = None
@@ -106,15 +123,29 @@ class Leg:
     history: array | None = None
     errors: dict | None = None  # stage index -> reason, for stages that ended in failure
     listed_seq: int = -1
+    listed_at_ns: int = 0  # sidecar clock of the latest inventory that listed the leg
+    error: str | None = None  # the engine's last error for the open leg (pd.open.errors)
+    error_seq: int = -1  # the inventory that first carried it
+    # Stuck on evidence (contract section 5b): why, and in which stage; sticks until the stage changes.
+    evidence: str | None = None
+    evidence_stage: str | None = None
+    evidence_why: str = ""  # the evidence in words, with its figures
     stuck_at_ns: int | None = None  # sidecar clock, while stuck
     ever_stuck: bool = False
     probe: bool = False  # an engine's own warm-up or health check (contract v1.1 section 2)
 
+    def enter(self, stage: str, since_ns: int) -> None:
+        """Into a new stage (or back into one): stuck state and evidence start over."""
+        self.stage, self.stage_since_ns, self.progress_ns = stage, since_ns, since_ns
+        self.stage_done, self.stuck_at_ns = False, None
+        self.evidence = self.evidence_stage = None
+        self.evidence_why = ""
 
-def record_stage(leg: "Leg", stage: str, start_ns: int, end_ns: int, error: str | None) -> None:
+
+def record_stage(leg: Leg, stage: str, start_ns: int, end_ns: int, error: str | None) -> None:
     if leg.history is None:
         leg.history = array("Q")  # OTLP times are unsigned 64-bit
-    n = _STAGE_NO[stage]
+    n = STAGE_NO[stage]
     leg.history.extend((n, start_ns, end_ns))
     if error is not None:
         if leg.errors is None:
@@ -122,7 +153,7 @@ def record_stage(leg: "Leg", stage: str, start_ns: int, end_ns: int, error: str 
         leg.errors[n] = error
 
 
-def stage_history(leg: "Leg") -> list[tuple[str, int, int, str | None]]:
+def stage_history(leg: Leg) -> list[tuple[str, int, int, str | None]]:
     """(stage, start_ns, end_ns, error) of each finished stage, in start order."""
     h = leg.history
     if not h:
@@ -133,26 +164,59 @@ def stage_history(leg: "Leg") -> list[tuple[str, int, int, str | None]]:
     return out
 
 
+def leg_age_s(leg: Leg, now_ns: int) -> float:
+    """Seconds in the current stage, on the sidecar's clock; in decode, since the last new token."""
+    offset = leg.inc.offset_ns() if leg.inc is not None else 0
+    ref = max(leg.stage_since_ns, leg.progress_ns) if leg.stage == "decode" else leg.stage_since_ns
+    return (now_ns - offset - ref) / 1e9
+
+
 @dataclass(slots=True, eq=False)
 class Cluster:
     name: str
     last_ok_ns: int = 0  # sidecar clock of the latest leg that finished ok
 
 
-@dataclass(slots=True)
-class StuckLeg:
-    leg: Leg
-    age_s: float
-    threshold_s: float
+@dataclass(slots=True, frozen=True)
+class GonePeer:
+    """A peer id (KV agent name, bootstrap address) of a process that has ended."""
+
+    ended_ns: int  # sidecar clock: when its restart was seen, or it was found down
+    instance: str
+    incarnation: str
 
 
-@dataclass(slots=True)
-class Evaluation:
-    """What the stuck rule found at one moment; read by the API and metrics."""
+class GonePeers:
+    """Peer ids of ended incarnations, bounded: the oldest is forgotten first."""
 
-    at_ns: int
-    stuck: list  # StuckLeg, oldest first
-    # (cluster, role, stage, pd_instance) -> (stuck count, oldest age s)
-    groups: dict
-    thresholds: dict  # (cluster, role, stage) -> seconds
-    flowing: dict  # cluster -> bool
+    def __init__(self, limit: int = 4096):
+        self.limit = limit
+        self._by_id: OrderedDict[tuple[str, str], GonePeer] = OrderedDict()  # (cluster, peer id) -> end
+
+    def add(self, cluster: str, inc: Incarnation, instance: str, ended_ns: int) -> None:
+        for peer in inc.peer_ids:
+            key = (cluster, peer)
+            old = self._by_id.get(key)
+            if old is not None and old.incarnation == inc.id and old.ended_ns <= ended_ns:
+                continue  # the earliest sighting of this end stands
+            self._by_id[key] = GonePeer(ended_ns, instance, inc.id)
+            self._by_id.move_to_end(key)
+        while len(self._by_id) > self.limit:
+            self._by_id.popitem(last=False)
+
+    def revive(self, cluster: str, inc: Incarnation) -> None:
+        """A process found down heartbeats again: its ids name a live peer once more."""
+        for peer in inc.peer_ids:
+            gone = self._by_id.get((cluster, peer))
+            if gone is not None and gone.incarnation == inc.id:
+                del self._by_id[(cluster, peer)]
+
+    def get(self, cluster: str, peer: str) -> GonePeer | None:
+        return self._by_id.get((cluster, peer))
+
+    def forget_cluster(self, cluster: str) -> None:
+        for key in [k for k in self._by_id if k[0] == cluster]:
+            del self._by_id[key]
+
+    def __len__(self) -> int:
+        return len(self._by_id)

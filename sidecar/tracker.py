@@ -1,49 +1,37 @@
-"""Tracks every open leg from lifecycle spans and heartbeat inventories, and
-judges which are stuck (contract section 5).
+"""The one writer: applies decoded records (`spans.decode`) to the state of every
+engine instance and open leg.
 
-All state changes happen under one lock, one OTLP request at a time; readers
-(API, metrics) take the same lock briefly. Spans may arrive late, twice, or out
-of order: each rule below says what it does with a span that tells it nothing new.
+It runs on one thread, the sidecar's worker, with the judge (`judge.py`),
+which is the only other code that touches this state; readers see the
+judge's immutable `Evaluation`, never these objects. Records may arrive late,
+twice or out of order: each rule below says what it does with one that tells
+it nothing new.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import OrderedDict
 from typing import Callable, NamedTuple
 
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.proto.trace.v1.trace_pb2 import Status
-
 from pdwatch import contract as c
 
-from .model import Cluster, Evaluation, Incarnation, Instance, Leg, StuckLeg, record_stage
-from .spans import (
-    REASONS, STAGE_SPANS, Heartbeat, Rejection, Source, attributes, finite, ids_and_times, is_int, iter_batches,
-    read_heartbeat, room_of,
-)
+from .model import Cluster, GonePeers, Incarnation, Instance, Leg, record_stage
+from .spans import REASONS, Batch, Decoded, HeartbeatRecord, Inventory, LegRecord, Rejection, Source, StageRecord
 from .thresholds import StageThresholds
 
-_STAGE_INDEX = {role: {s: i for i, s in enumerate(stages)} for role, stages in c.STAGES.items()}
+STAGE_INDEX = {role: {s: i for i, s in enumerate(stages)} for role, stages in c.STAGES.items()}
 # role -> stage -> (its place in the role's order, the stage that follows it or None)
 _STEPS = {role: {s: (i, stages[i + 1] if i + 1 < len(stages) else None) for i, s in enumerate(stages)}
           for role, stages in c.STAGES.items()}
 _SEEN_SPANS_MAX = 100_000
-_STATUS_ERROR = Status.STATUS_CODE_ERROR
 _RESTART_TIMES_MAX = 32
 # Largest engine-to-sidecar clock difference a heartbeat may show (see _heartbeat).
 MAX_SKEW_NS = 86_400 * 10**9
+LOOP_STALL_WINDOW_NS = int(c.LOOP_STALL_WINDOW_S * 1e9)
 
-
-def _is_hex(value, length: int) -> bool:
-    if not isinstance(value, str) or len(value) != length:
-        return False
-    try:
-        int(value, 16)
-    except ValueError:
-        return False
-    return value == value.lower()
+# One batch's stage durations: stage -> (seconds, trace ids), for thresholds and the histogram.
+Durations = dict[str, tuple[list[float], list[str]]]
 
 
 class Applied(NamedTuple):
@@ -51,7 +39,6 @@ class Applied(NamedTuple):
 
     rejected: int  # spans not applied (partial_success.rejected_spans)
     messages: list[str]  # a few of the reasons, for partial_success.error_message
-    other: int  # spans that are not stage or leg spans: heartbeats, unknown names, refused resources
 
 
 class Tracker:
@@ -65,8 +52,7 @@ class Tracker:
         max_instances: int = 1024,
         instance_ttl_s: float = 3600.0,
         clock: Callable[[], int] = time.time_ns,
-        on_stage_durations: Callable[[str, str, str, list, list], None] | None = None,
-        on_stuck: Callable[[Leg, float, float, int], None] | None = None,
+        on_stage_durations: Callable[[str, str, str, list[float], list[str]], None] | None = None,
     ):
         self.thresholds = StageThresholds(floors or c.DEFAULT_FLOORS_S)
         self.flow_window_ns = int(flow_window_s * 1e9)
@@ -76,15 +62,15 @@ class Tracker:
         self.instance_ttl_ns = int(instance_ttl_s * 1e9)
         self.clock = clock
         self.on_stage_durations = on_stage_durations
-        self.on_stuck = on_stuck
-        self.lock = threading.RLock()
         self.open: dict[tuple[str, str], Leg] = {}
         self.closed: OrderedDict[tuple[str, str], Leg] = OrderedDict()
         self.instances: dict[tuple[str, str], Instance] = {}
         self.clusters: dict[str, Cluster] = {}
+        self.gone_peers = GonePeers()
         self._seen_spans: OrderedDict[bytes, None] = OrderedDict()
-        # Monotonic counters, exposed by the metrics collector.
+        # Monotonic counters, copied into each Evaluation by the judge.
         self.spans_received = 0
+        self.spans_foreign = 0
         self.heartbeats_received = 0
         self.duplicates = 0
         self.rejected = dict.fromkeys(REASONS, 0)
@@ -94,61 +80,60 @@ class Tracker:
         # Probes apart: a health check finishing is no request flowing.
         self.probes_finished: dict[tuple[str, str, str, str], int] = {}
         self.stuck_detected: dict[tuple[str, str, str], int] = {}
-        self.last_eval = Evaluation(0, [], {}, {}, {})
-        self.ingests = 0  # OTLP requests applied; tells whether last_eval still holds
-        self._eval_after = -1  # self.ingests when last_eval was made
 
     # ---- ingest ------------------------------------------------------------
 
-    def ingest(self, request: ExportTraceServiceRequest) -> Applied:
-        """Apply one OTLP request: what was rejected and why, and how many spans were not lifecycle spans."""
-        rejected, messages, other = 0, [], 0
-        with self.lock:
-            self.ingests += 1
-            now = self.clock()
-            for source, spans in iter_batches(request):
-                self.spans_received += len(spans)
-                if isinstance(source, Rejection):
-                    rejected += len(spans)
-                    other += len(spans)
-                    self.rejected[source.reason] += len(spans)
-                    messages.append(source.message)
-                    continue
+    def apply(self, decoded: Decoded) -> Applied:
+        """Apply one decoded OTLP request: how many spans were rejected, and a few reasons why."""
+        rejected, messages = 0, []
+        now = self.clock()
+        self.spans_received += decoded.spans
+        self.spans_foreign += decoded.foreign
+        for batch in decoded.batches:
+            for reason, message in batch.rejected:
+                rejected += 1
+                self.rejected[reason] += 1
+                if len(messages) < 8:
+                    messages.append(message)
+            if batch.source is None:
+                continue
+            n = len(batch.stages) + len(batch.legs) + len(batch.heartbeats)
+            try:
+                inc = self._incarnation(batch.source, now)
+            except Rejection as rej:
+                rejected += n
+                self.rejected[rej.reason] += n
+                messages.append(rej.message)
+                continue
+            bad = self._apply_batch(batch, inc, now)
+            for reason, message in bad:
+                rejected += 1
+                self.rejected[reason] += 1
+                if len(messages) < 8:
+                    messages.append(message)
+        return Applied(rejected, messages)
+
+    def _apply_batch(self, batch: Batch, inc: Incarnation, now: int) -> list[tuple[str, str]]:
+        src = batch.source
+        assert src is not None
+        bad: list[tuple[str, str]] = []
+        durations: Durations = {stage: ([], []) for stage in c.STAGES[src.role]}
+        try:
+            for rec in batch.stages:
+                self._stage(src, inc, rec, now, durations)
+            for leg in batch.legs:
+                self._leg_span(src, inc, leg, now)
+            for hb in batch.heartbeats:
                 try:
-                    inc = self._incarnation(source, now)
+                    self._heartbeat(src, inc, hb, now)
                 except Rejection as rej:
-                    rejected += len(spans)
-                    other += len(spans)
-                    self.rejected[rej.reason] += len(spans)
-                    messages.append(rej.message)
-                    continue
-                durations = {stage: ([], []) for stage in c.STAGES[source.role]}
-                try:
-                    for proto in spans:
-                        try:
-                            name = proto.name
-                            stage = STAGE_SPANS.get(name)
-                            if stage is not None:
-                                self._stage(source, inc, proto, stage, now, durations)
-                            elif name == c.SPAN_LEG:
-                                self._leg_span(source, inc, proto, now)
-                            else:
-                                other += 1
-                                self._heartbeat(source, inc, read_heartbeat(proto), now)
-                        except Rejection as rej:
-                            rejected += 1
-                            self.rejected[rej.reason] += 1
-                            if len(messages) < 8:
-                                messages.append(rej.message)
-                finally:
-                    self._observe(source, durations, now)
-        return Applied(rejected, messages, other)
+                    bad.append((rej.reason, rej.message))
+        finally:
+            self._observe(src, durations, now)
+        return bad
 
-    def _observe(self, src: Source, durations: dict, now: int) -> None:
-        """Hand one batch's stage durations to the thresholds and the histogram, a stage at a time.
-
-        Batched because two calls per span cost as much as the rest of a stage span.
-        """
+    def _observe(self, src: Source, durations: Durations, now: int) -> None:
+        """Hand one batch's stage durations to the thresholds and the histogram, a stage at a time."""
         for stage, (seconds, trace_ids) in durations.items():
             if not seconds:
                 continue
@@ -157,10 +142,7 @@ class Tracker:
                 self.on_stage_durations(src.cluster, src.role, stage, seconds, trace_ids)
 
     def _seen(self, span_id: bytes) -> bool:
-        """True if this span was applied before (replays and retries change nothing twice).
-
-        Keyed by the raw 8-byte span id for every kind of span, as `_stage` does inline.
-        """
+        """True if this span was applied before (replays and retries change nothing twice)."""
         seen = self._seen_spans
         if span_id in seen:
             return True
@@ -181,6 +163,8 @@ class Tracker:
         cur = inst.ranks.get(src.tp_rank)
         if cur is not None and cur.id == src.incarnation:
             cur.last_seen_ns = now
+            if src.peer_ids and src.peer_ids != cur.peer_ids:
+                cur.peer_ids = src.peer_ids  # names a process learns after start-up (its KV agent)
             return cur
         if cur is not None:
             if src.incarnation in inst.retired or (src.start_ns and src.start_ns < cur.start_ns):
@@ -190,14 +174,16 @@ class Tracker:
         new = Incarnation(
             id=src.incarnation, rank=src.tp_rank, tp_size=src.tp_size, start_ns=src.start_ns, pid=src.pid,
             host=src.host, gpu_uuids=src.gpu_uuids, service=src.service, version=src.version,
-            first_seen_ns=now, last_seen_ns=now,
+            first_seen_ns=now, last_seen_ns=now, peer_ids=src.peer_ids,
         )
         inst.ranks[src.tp_rank] = new
         return new
 
     def _retire(self, inst: Instance, old: Incarnation, now: int) -> None:
-        """A new process under the same pd.instance: the old one's open legs are lost, not stuck."""
+        """A new process under the same pd.instance: the old one's open legs are lost, not stuck,
+        and whoever still talks to its peer ids talks to nobody."""
         inst.retired.append(old.id)
+        self.gone_peers.add(inst.cluster, old, inst.name, old.down_since_ns or now)
         if old.rank == min(inst.ranks):
             inst.restarts += 1
             inst.restart_times_ns.append(now)
@@ -221,7 +207,7 @@ class Tracker:
         inc.keys.add(key)
         return leg
 
-    def _adopt(self, leg: Leg, key, src: Source, inc: Incarnation) -> None:
+    def _adopt(self, leg: Leg, key: tuple[str, str], src: Source, inc: Incarnation) -> None:
         """A leg reported by another process than the one we had (a retry, a migration): latest wins."""
         if leg.inc is not inc:
             if leg.inc is not None:
@@ -229,7 +215,7 @@ class Tracker:
             leg.inc, leg.cluster, leg.pd_instance = inc, src.cluster, src.pd_instance
             inc.keys.add(key)
 
-    def _remember_closed(self, key, leg: Leg) -> None:
+    def _remember_closed(self, key: tuple[str, str], leg: Leg) -> None:
         self.closed[key] = leg
         self.closed.move_to_end(key)
         if len(self.closed) > self.max_closed:
@@ -258,21 +244,13 @@ class Tracker:
             if inst is not None:
                 inst.ok_times_ns.append(now)
 
-    def _leg_span(self, src: Source, inc: Incarnation, span, now: int) -> None:
-        """A leg ended: one per leg, read off the protobuf like a stage span (ids stay bytes until needed)."""
-        tid, sid, _, start, end = ids_and_times(span)
-        attrs = attributes(span.attributes)
-        role = attrs.get(c.A_ROLE) or src.role
-        outcome = attrs.get(c.A_OUTCOME)
-        if outcome is None:
-            raise Rejection("missing_attribute", f"pd.request without {c.A_OUTCOME}")
-        if role not in c.ROLES or outcome not in c.OUTCOMES:
-            raise Rejection("bad_value", f"pd.request with role {role!r}, outcome {outcome!r}")
-        if self._seen(sid):
+    def _leg_span(self, src: Source, inc: Incarnation, rec: LegRecord, now: int) -> None:
+        """A leg ended: one per leg."""
+        if self._seen(rec.span_id):
             self.duplicates += 1
             return
-        trace_id = tid.hex()
-        key = (trace_id, role)
+        trace_id = rec.trace_id.hex()
+        key = (trace_id, rec.role)
         leg = self.open.pop(key, None)
         if leg is None:
             leg = self.closed.get(key)
@@ -280,171 +258,126 @@ class Tracker:
                 self.duplicates += 1  # this leg already ended (same leg, resent with a new id)
                 return
             if leg is None:
-                leg = Leg(trace_id=trace_id, role=role, cluster=src.cluster, pd_instance=src.pd_instance, inc=inc)
-        self._fill(leg, attrs)
-        leg.span_id = sid.hex()
-        leg.arrive_ns = start
-        tokens = attrs.get(c.A_OUTPUT_TOKENS)
-        if is_int(tokens):
-            leg.tokens = max(leg.tokens, tokens)
-        self._close(leg, outcome, end, now)
-
-    @staticmethod
-    def _fill(leg: Leg, attrs: dict) -> None:
-        rid = attrs.get(c.A_RID)
-        if isinstance(rid, str) and rid:
-            leg.rid = rid
-        room = attrs.get(c.A_ROOM)
-        if is_int(room):
-            leg.room = room
-        peer = attrs.get(c.A_PEER)
-        if isinstance(peer, str) and peer:
-            leg.peer = peer
-        if attrs.get(c.A_PROBE) is True:
+                leg = Leg(trace_id=trace_id, role=rec.role, cluster=src.cluster, pd_instance=src.pd_instance,
+                          inc=inc)
+        if rec.rid:
+            leg.rid = rec.rid
+        if rec.room is not None:
+            leg.room = rec.room
+        if rec.peer:
+            leg.peer = rec.peer
+        if rec.probe:
             leg.probe = True
+        if rec.prompt_tokens is not None:
+            leg.prompt_tokens = rec.prompt_tokens
+        if rec.output_tokens is not None:
+            leg.tokens = max(leg.tokens, rec.output_tokens)
+        leg.span_id = rec.span_id.hex()
+        leg.arrive_ns = rec.start_ns
+        self._close(leg, rec.outcome, rec.end_ns, now)
 
-    def _stage(self, src: Source, inc: Incarnation, span, stage: str, now: int, durations: dict) -> None:
-        """A finished stage: the bulk of all spans, so read straight off the protobuf.
-
-        Reading a protobuf field costs more than most of the rule below, so each
-        is read once, and attributes are not decoded at all: the role comes from
-        the resource, rid from inventories and leg spans; only a leg new to us
-        has its bootstrap room looked up.
-        """
-        tid, sid, parent, start, end = ids_and_times(span)
-        role = src.role
-        step = _STEPS[role].get(stage)
-        if step is None:
-            raise Rejection("bad_value", f"stage {stage!r} is not a stage of role {role!r}")
+    def _stage(self, src: Source, inc: Incarnation, rec: StageRecord, now: int, durations: Durations) -> None:
+        """A finished stage: the bulk of all records."""
         seen = self._seen_spans
+        sid = rec.span_id
         if sid in seen:
             self.duplicates += 1
             return
         seen[sid] = None
         if len(seen) > _SEEN_SPANS_MAX:
             seen.popitem(last=False)
-        status = span.status
-        error = (status.message or "error") if status.code == _STATUS_ERROR else None
-        trace_id = tid.hex()
+        role, stage, start, end, error = src.role, rec.stage, rec.start_ns, rec.end_ns, rec.error
+        trace_id = rec.trace_id.hex()
         key = (trace_id, role)
         leg = self.open.get(key) or self.closed.get(key)
         if leg is None:
             leg = self._new_leg(key, src, inc)
             if leg is not None:
-                leg.room = room_of(span)
+                leg.room = rec.room
         if error is None:
             batch = durations[stage]
             batch[0].append((end - start) / 1e9)
             batch[1].append(trace_id)
         if leg is None:
             return
-        if leg.span_id is None and parent:
-            leg.span_id = parent.hex()
-        here, following = step
+        if leg.span_id is None and rec.parent_span_id:
+            leg.span_id = rec.parent_span_id.hex()
+        here, following = _STEPS[role][stage]
         record_stage(leg, stage, start, end, error)
         if leg.end_ns is not None:
             return  # closed already: history only
         # The end of one stage is the start of the next: move an open leg on
         # unless a newer heartbeat already put it further along.
-        if leg.stage is not None and _STAGE_INDEX[role].get(leg.stage, -1) > here:
+        if leg.stage is not None and STAGE_INDEX[role].get(leg.stage, -1) > here:
             return
         if error is not None or following is None:
-            leg.stage, leg.stage_since_ns, leg.stage_done = stage, start, True
-        else:
-            leg.stage, leg.stage_since_ns, leg.progress_ns = following, end, end
-            leg.stuck_at_ns = None
+            if leg.stage != stage:
+                leg.enter(stage, start)
+            leg.stage_since_ns, leg.stage_done = start, True
+        elif leg.stage != following or leg.stage_since_ns != end:
+            leg.enter(following, end)
 
     # ---- heartbeats ----------------------------------------------------------
 
-    def _heartbeat(self, src: Source, inc: Incarnation, span: Heartbeat, now: int) -> None:
-        attrs = span.attrs
-        seq = attrs.get(c.H_SEQ)
-        if not is_int(seq) or seq < 0:
-            raise Rejection("missing_attribute", f"pd.heartbeat without a valid {c.H_SEQ}")
-        inventory = self._read_inventory(src, attrs) if c.H_OPEN_TOTAL in attrs else None
-        if seq <= inc.seq:
+    def _heartbeat(self, src: Source, inc: Incarnation, hb: HeartbeatRecord, now: int) -> None:
+        if hb.seq <= inc.seq:
             self.duplicates += 1  # a replay or an old heartbeat arriving late
             return
-        if abs(now - span.end_ns) > MAX_SKEW_NS:
+        if abs(now - hb.end_ns) > MAX_SKEW_NS:
             # Minutes of skew are corrected; a day is a broken clock or a forged time,
             # and taking it as the offset would make every age of this process wrong.
             raise Rejection("bad_value", f"pd.heartbeat time is more than {MAX_SKEW_NS // 10**9} s from the sidecar's")
         self.heartbeats_received += 1
-        inc.seq = seq
+        inc.seq = hb.seq
         inc.last_heartbeat_ns = now
-        inc.offsets.append(now - span.end_ns)
-        interval = attrs.get(c.H_INTERVAL)
-        if finite(interval) and 0 < interval <= 3600:
-            inc.interval_s = float(interval)
-        loop = attrs.get(c.H_LOOP)
-        if isinstance(loop, int) and loop != inc.loop_iterations:
-            inc.loop_iterations, inc.loop_changed_ns = loop, now
-        for name, key in ((c.H_COMPLETED, "completed"), (c.H_FAILED, "failed"), (c.H_TOKENS, "tokens_generated")):
-            value = attrs.get(name)
-            if is_int(value):
-                setattr(inc, key, value)
-        extra = {k: v for k, v in attrs.items()
-                 if (k.startswith("pdwatch.") or k.startswith("pd.engine.")) and finite(v)}
-        if extra:
-            inc.extra = dict(list(extra.items())[:64])
-        counts = {}
-        for stage in c.STAGES[src.role]:
-            value = attrs.get(c.H_OPEN_COUNT_PREFIX + stage)
-            if is_int(value) and value >= 0:
-                counts[stage] = value
-        if counts or inventory is not None:
-            inc.open_counts = counts
-        if inventory is not None:
-            inc.open_total = inventory[0]
-            self._apply_inventory(src, inc, span.start_ns, seq, inventory)
+        inc.offsets.append(now - hb.end_ns)
+        if inc.down_since_ns:
+            inc.down_since_ns = 0  # back from the dead (a stopped process continued)
+            self.gone_peers.revive(src.cluster, inc)
+        if hb.interval_s is not None:
+            inc.interval_s = hb.interval_s
+        self._loop(src, inc, hb.loop_iterations, now)
+        for name, value in hb.counters.items():
+            setattr(inc, name, value)
+        if hb.extra:
+            inc.extra = hb.extra
+        if hb.open_counts or hb.inventory is not None:
+            inc.open_counts = hb.open_counts
+        if hb.inventory is not None:
+            inc.open_total = hb.inventory.total
+            if hb.inventory.total == 0:
+                inc.busy_since_ns = 0
+            elif not inc.busy_since_ns:
+                inc.busy_since_ns = now
+            self._apply_inventory(src, inc, hb.start_ns, hb.seq, hb.inventory, now)
 
-    def _read_inventory(self, src: Source, attrs: dict):
-        """Validate the parallel lists before anything changes (a bad heartbeat changes nothing)."""
-        total = attrs.get(c.H_OPEN_TOTAL)
-        if not is_int(total) or total < 0:
-            raise Rejection("bad_value", f"{c.H_OPEN_TOTAL} must be a non-negative integer")
-        tids = attrs.get(c.H_OPEN_TRACE_IDS) or []
-        stages = attrs.get(c.H_OPEN_STAGES) or []
-        since = attrs.get(c.H_OPEN_SINCE) or []
-        # Types first: a scalar where a list belongs has no length to compare.
-        if not (isinstance(tids, list) and isinstance(stages, list) and isinstance(since, list)):
-            raise Rejection("bad_value", "inventory trace ids, stages and entry times must be arrays")
-        n = len(tids)
-        optional = {}
-        for name in (c.H_OPEN_RIDS, c.H_OPEN_TOKENS, c.H_OPEN_SPAN_IDS, c.H_OPEN_ROOMS, c.H_OPEN_PEERS,
-                     c.H_OPEN_LAST_TOKEN, c.H_OPEN_PROBES):
-            value = attrs.get(name)
-            if value is not None:
-                if not isinstance(value, list) or len(value) != n:
-                    raise Rejection("bad_value", f"inventory list {name} has {len(value) if isinstance(value, list) else 'no'} entries, not {n}")
-                optional[name] = value
-        if len(stages) != n or len(since) != n:
-            raise Rejection("bad_value", "inventory lists of unequal length")
-        if n > total:
-            raise Rejection("bad_value", f"inventory lists {n} legs but {c.H_OPEN_TOTAL}={total}")
-        valid = _STAGE_INDEX[src.role]
-        for i in range(n):
-            if not _is_hex(tids[i], 32) or tids[i] == "0" * 32:
-                raise Rejection("bad_id", f"inventory trace id #{i} is not 32 lowercase hex digits")
-            if stages[i] not in valid:
-                raise Rejection("bad_value", f"inventory stage #{i} {str(stages[i])[:32]!r} is not a {src.role} stage")
-            if not is_int(since[i]) or since[i] < 0:
-                raise Rejection("bad_value", f"inventory stage entry time #{i} must be a non-negative integer")
-        rids = optional.get(c.H_OPEN_RIDS) or [""] * n
-        tokens = optional.get(c.H_OPEN_TOKENS) or [0] * n
-        span_ids = optional.get(c.H_OPEN_SPAN_IDS) or [None] * n
-        rooms = optional.get(c.H_OPEN_ROOMS) or [-1] * n
-        peers = optional.get(c.H_OPEN_PEERS) or [""] * n
-        last_tokens = optional.get(c.H_OPEN_LAST_TOKEN) or [0] * n
-        probes = optional.get(c.H_OPEN_PROBES) or [False] * n
-        return total, tids, stages, since, rids, tokens, span_ids, rooms, peers, last_tokens, probes
+    def _loop(self, src: Source, inc: Incarnation, loop: int | None, now: int) -> None:
+        """Track how long the loop counter was seen unchanged, and remember busy stalls."""
+        if loop is None:
+            return
+        if loop != inc.loop_iterations:
+            stalled = (inc.loop_seen_ns - inc.loop_since_ns) / 1e9 if inc.loop_since_ns else 0.0
+            if stalled > 0 and self._busy_during(src, inc):
+                window = inc.stalls
+                window.append((now, stalled))
+                while window and window[0][0] < now - LOOP_STALL_WINDOW_NS:
+                    window.popleft()
+            if inc.loop_iterations is not None:
+                inc.loop_moves = True
+            inc.loop_iterations, inc.loop_since_ns = loop, now
+        inc.loop_seen_ns = now
 
-    def _apply_inventory(self, src: Source, inc: Incarnation, hb_ns: int, seq: int, inventory) -> None:
-        total, tids, stages, since, rids, tokens, span_ids, rooms, peers, last_tokens, probes = inventory
-        role, order = src.role, _STAGE_INDEX[src.role]
-        for tid, stage, t_in, rid, tok, sid, room, peer, last_tok, probe in zip(
-                tids, stages, since, rids, tokens, span_ids, rooms, peers, last_tokens, probes):
-            key = (tid, role)
+    def _busy_during(self, src: Source, inc: Incarnation) -> bool:
+        """The rank's instance had open legs over its latest loop stall."""
+        inst = self.instances.get((src.cluster, src.pd_instance))
+        owner = inst.owner if inst is not None else None
+        return owner is not None and bool(owner.busy_since_ns) and owner.busy_since_ns <= inc.loop_since_ns
+
+    def _apply_inventory(self, src: Source, inc: Incarnation, hb_ns: int, seq: int, inventory: Inventory,
+                         now: int) -> None:
+        role, order = src.role, STAGE_INDEX[src.role]
+        for e in inventory.entries:
+            key = (e.trace_id, role)
             leg = self.open.get(key)
             if leg is None:
                 old = self.closed.get(key)
@@ -459,38 +392,43 @@ class Tracker:
                     leg.rid, leg.room, leg.peer = old.rid, old.room, old.peer
             else:
                 self._adopt(leg, key, src, inc)
-            if isinstance(rid, str) and rid:
-                leg.rid = rid
-            if _is_hex(sid, 16):
-                leg.span_id = sid
-            if is_int(room) and room >= 0:
-                leg.room = room
-            if isinstance(peer, str) and peer:
-                leg.peer = peer[:256]
-            if probe is True:
+            if e.rid:
+                leg.rid = e.rid
+            if e.span_id is not None:
+                leg.span_id = e.span_id
+            if e.room >= 0:
+                leg.room = e.room
+            if e.peer:
+                leg.peer = e.peer
+            if e.probe:
                 leg.probe = True
-            if leg.stage != stage:
-                if leg.stage is None or t_in >= leg.stage_since_ns or order[stage] > order.get(leg.stage, -1):
-                    leg.stage, leg.stage_since_ns, leg.progress_ns = stage, t_in, t_in
-                    leg.stage_done, leg.stuck_at_ns = False, None
-            elif t_in > leg.stage_since_ns:
-                leg.stage_since_ns = t_in
-                leg.progress_ns = max(leg.progress_ns, t_in)
-            if is_int(tok) and tok > leg.tokens:
-                leg.tokens = tok
+            if e.prompt_tokens >= 0:
+                leg.prompt_tokens = e.prompt_tokens
+            if leg.stage != e.stage:
+                if leg.stage is None or e.since_ns >= leg.stage_since_ns or order[e.stage] > order.get(leg.stage, -1):
+                    leg.enter(e.stage, e.since_ns)
+            elif e.since_ns > leg.stage_since_ns:
+                leg.stage_since_ns = e.since_ns
+                leg.progress_ns = max(leg.progress_ns, e.since_ns)
+            if e.tokens > leg.tokens:
+                leg.tokens = e.tokens
                 # New tokens: the decode was alive when the last of them came. An
                 # engine that does not say when (no last-token list) is taken as
                 # alive at this heartbeat, which can only age it too little.
-                alive_at = hb_ns
-                if is_int(last_tok) and last_tok > 0:
-                    alive_at = min(last_tok, hb_ns)
+                alive_at = min(e.last_token_ns, hb_ns) if e.last_token_ns else hb_ns
                 leg.progress_ns = max(leg.progress_ns, alive_at)
-            leg.listed_seq = seq
+            if e.error:
+                if e.error != leg.error:
+                    leg.error, leg.error_seq = e.error, seq
+            elif leg.error is not None:
+                leg.error, leg.error_seq = None, -1
+            leg.listed_seq, leg.listed_at_ns = seq, now
         # Legs this process no longer lists have ended; their leg span was lost
         # or is late. When the lists were cut, only legs older than the newest
         # listed one can be judged.
-        cutoff = hb_ns if len(tids) >= total else min(hb_ns, since[-1] - 1 if since else -1)
-        for key in [k for k in inc.keys]:
+        entries = inventory.entries
+        cutoff = hb_ns if inventory.complete else min(hb_ns, entries[-1].since_ns - 1 if entries else -1)
+        for key in list(inc.keys):
             leg = self.open.get(key)
             if leg is None or leg.inc is not inc:
                 inc.keys.discard(key)
@@ -500,7 +438,7 @@ class Tracker:
                 self.evicted["vanished"] += 1
                 self._close(leg, None, hb_ns, hb_ns)
 
-    # ---- forgetting ----------------------------------------------------------
+    # ---- forgetting (the judge calls these) ----------------------------------
 
     def expire_instances(self, now: int) -> int:
         """Forget instances no rank of which sent anything for the TTL; returns how many.
@@ -527,98 +465,56 @@ class Tracker:
                     del counts[fkey]
             if not any(other.cluster == inst.cluster for other in self.instances.values()):
                 self.clusters.pop(inst.cluster, None)
+                self.gone_peers.forget_cluster(inst.cluster)
                 for skey in [k for k in self.stuck_detected if k[0] == inst.cluster]:
                     del self.stuck_detected[skey]
         self.instances_expired += len(gone)
         return len(gone)
 
-    # ---- judging -------------------------------------------------------------
+    # ---- facts the judge reads ----------------------------------------------
 
-    def recent_evaluation(self, max_age_s: float = 1.0) -> Evaluation:
-        """last_eval when nothing was ingested since and it is at most max_age_s old, else a new one.
-
-        A scrape builds the tracker's metrics and then the diagnosis: with this
-        the second reuses the first's walk over every open leg.
-        """
-        with self.lock:
-            ev, now = self.last_eval, self.clock()
-            if self._eval_after == self.ingests and 0 <= now - ev.at_ns <= max_age_s * 1e9:
-                return ev
-            return self.evaluate(now)
-
-    def evaluate(self, now: int | None = None) -> Evaluation:
-        """Apply the stuck rule to every open leg; remembers and returns the result."""
-        with self.lock:
-            now = self.clock() if now is None else now
-            self._eval_after = self.ingests
-            self.expire_instances(now)
-            thresholds: dict[tuple[str, str, str], float] = {}
-            groups: dict[tuple[str, str, str, str], list] = {}
-            stuck: list[StuckLeg] = []
-            for leg in self.open.values():
-                stage = leg.stage
-                if stage is None or leg.stage_done:
-                    leg.stuck_at_ns = None
-                    continue
-                tkey = (leg.cluster, leg.role, stage)
-                thr = thresholds.get(tkey)
-                if thr is None:
-                    thr = thresholds[tkey] = self.thresholds.threshold(tkey, now)
-                offset = leg.inc.offset_ns() if leg.inc is not None else 0
-                ref = max(leg.stage_since_ns, leg.progress_ns) if stage == "decode" else leg.stage_since_ns
-                age = (now - offset - ref) / 1e9
-                gkey = (leg.cluster, leg.role, stage, leg.pd_instance)
-                group = groups.get(gkey)
-                if group is None:
-                    group = groups[gkey] = [0, 0.0]
-                if age > group[1]:
-                    group[1] = age
-                if age <= thr:
-                    leg.stuck_at_ns = None
-                    continue
-                group[0] += 1
-                stuck.append(StuckLeg(leg, age, thr))
-                if leg.stuck_at_ns is None:
-                    leg.stuck_at_ns = now
-                    if not leg.ever_stuck:
-                        leg.ever_stuck = True
-                        skey = (leg.cluster, leg.role, stage)
-                        self.stuck_detected[skey] = self.stuck_detected.get(skey, 0) + 1
-                        if self.on_stuck is not None:
-                            self.on_stuck(leg, age, thr, now)
-            for key in self.thresholds.keys():
-                if key not in thresholds:
-                    thresholds[key] = self.thresholds.threshold(key, now)
-            for inst in self.instances.values():
-                for stage in c.STAGES[inst.role]:
-                    tkey = (inst.cluster, inst.role, stage)
-                    if tkey not in thresholds:
-                        thresholds[tkey] = self.thresholds.threshold(tkey, now)
-            stuck.sort(key=lambda s: -s.age_s)
-            flowing = {name: cl.last_ok_ns > 0 and now - cl.last_ok_ns <= self.flow_window_ns
-                       for name, cl in self.clusters.items()}
-            self.last_eval = Evaluation(now, stuck, {k: tuple(v) for k, v in groups.items()}, thresholds, flowing)
-            return self.last_eval
-
-    # ---- views ---------------------------------------------------------------
+    @staticmethod
+    def rank_up(inc: Incarnation, now: int) -> bool:
+        return bool(inc.last_heartbeat_ns) and \
+            now - inc.last_heartbeat_ns <= c.DOWN_AFTER_INTERVALS * inc.interval_s * 1e9
 
     def instance_up(self, inst: Instance, now: int) -> bool:
         """Every rank heartbeated within 3 of its intervals (contract section 5)."""
-        if not inst.ranks:
-            return False
+        return bool(inst.ranks) and all(self.rank_up(inc, now) for inc in inst.ranks.values())
+
+    @staticmethod
+    def loop_frozen_for(inc: Incarnation) -> float:
+        """Seconds the rank's loop counter was seen not to advance, up to its latest heartbeat."""
+        if inc.loop_iterations is None or not inc.loop_since_ns:
+            return 0.0
+        return (inc.loop_seen_ns - inc.loop_since_ns) / 1e9
+
+    @staticmethod
+    def loop_rule_s(inc: Incarnation, now: int) -> float:
+        """How long a loop may stand still with open legs before it is frozen (contract section 5b)."""
+        longest = max((s for at, s in inc.stalls if at >= now - LOOP_STALL_WINDOW_NS), default=0.0)
+        return max(c.LOOP_FROZEN_INTERVALS * inc.interval_s, c.LOOP_STALL_FACTOR * longest)
+
+    def frozen_ranks(self, inst: Instance, now: int) -> list[Incarnation]:
+        """Ranks that heartbeat while their loop stands still with the instance's legs open, past the rule."""
+        owner = inst.owner
+        if owner is None or not owner.busy_since_ns or not owner.open_total:
+            return []
+        out = []
         for inc in inst.ranks.values():
-            if not inc.last_heartbeat_ns:
-                return False
-            if now - inc.last_heartbeat_ns > c.DOWN_AFTER_INTERVALS * inc.interval_s * 1e9:
-                return False
-        return True
+            # A counter never seen to move says nothing: that engine does not count its loop.
+            if not self.rank_up(inc, now) or not inc.loop_moves:
+                continue
+            still = (inc.loop_seen_ns - max(inc.loop_since_ns, owner.busy_since_ns)) / 1e9
+            if still > self.loop_rule_s(inc, now):
+                out.append(inc)
+        return out
 
     def loop_stalled(self, inst: Instance, now: int) -> bool:
         """A rank still heartbeats but its scheduler loop counter has not moved for 3 intervals."""
         for inc in inst.ranks.values():
-            if inc.loop_iterations is None or not inc.last_heartbeat_ns:
+            if inc.loop_iterations is None or not self.rank_up(inc, now):
                 continue
-            fresh = now - inc.last_heartbeat_ns <= c.DOWN_AFTER_INTERVALS * inc.interval_s * 1e9
-            if fresh and now - inc.loop_changed_ns > c.DOWN_AFTER_INTERVALS * inc.interval_s * 1e9:
+            if now - inc.loop_since_ns > c.DOWN_AFTER_INTERVALS * inc.interval_s * 1e9:
                 return True
         return False

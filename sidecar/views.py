@@ -1,10 +1,18 @@
-"""JSON shapes of the HTTP API, built from tracker state (contract section 7)."""
+"""JSON shapes of the HTTP API (contract section 7).
+
+Every view but `request_detail` is built from the judge's latest immutable
+evaluation. `request_detail` reads one request's legs from the tracker; it runs
+on the tracker's own thread (the worker), and reads only.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 from pdwatch import contract as c
 
-from .model import Leg, stage_history
+from .evaluation import Evaluation, InstanceView, StuckLeg
+from .model import Leg, leg_age_s, stage_history
 from .tracker import Tracker
 
 
@@ -12,32 +20,36 @@ def _s(ns: int | None) -> float | None:
     return None if ns is None else round(ns / 1e9, 6)
 
 
-def stuck_list(tracker: Tracker) -> list[dict]:
-    with tracker.lock:
-        ev = tracker.evaluate()
-        return [
-            {
-                "trace_id": s.leg.trace_id,
-                "rid": s.leg.rid,
-                "bootstrap_room": s.leg.room,
-                "cluster": s.leg.cluster,
-                "role": s.leg.role,
-                "stage": s.leg.stage,
-                "pd_instance": s.leg.pd_instance,
-                "peer": s.leg.peer,
-                "stage_age_s": round(s.age_s, 3),
-                "threshold_s": round(s.threshold_s, 3),
-                # Additions: whether the page condition holds, and when this leg was first judged stuck.
-                "others_flowing": bool(ev.flowing.get(s.leg.cluster)),
-                "stage_since_unix_s": _s(s.leg.stage_since_ns),
-                "stuck_since_unix_s": _s(s.leg.stuck_at_ns),
-            }
-            for s in ev.stuck
-        ]
+def stuck_leg(s: StuckLeg, ev: Evaluation) -> dict[str, Any]:
+    return {
+        "trace_id": s.trace_id,
+        "rid": s.rid,
+        "bootstrap_room": s.room,
+        "cluster": s.cluster,
+        "role": s.role,
+        "stage": s.stage,
+        "pd_instance": s.pd_instance,
+        "peer": s.peer,
+        "stage_age_s": round(s.age_s, 3),
+        "threshold_s": round(s.threshold_s, 3),
+        "reason": s.reason,
+        # Additions: the evidence in words, whether the page condition holds, when the leg
+        # entered its stage and when it was first judged stuck.
+        "why": s.why,
+        "others_flowing": bool(ev.flowing.get(s.cluster)),
+        "stage_since_unix_s": _s(s.stage_since_ns + s.offset_ns),
+        "stuck_since_unix_s": _s(s.stuck_since_ns),
+        "prompt_tokens": s.prompt_tokens,
+        "error": s.error,
+    }
 
 
-def _leg(leg: Leg, stuck: dict, now: int) -> dict:
-    out = {
+def stuck_list(ev: Evaluation) -> list[dict[str, Any]]:
+    return [stuck_leg(s, ev) for s in ev.stuck]
+
+
+def _leg(leg: Leg, stuck: dict[tuple[str, str], StuckLeg], now: int) -> dict[str, Any]:
+    out: dict[str, Any] = {
         "role": leg.role,
         "rid": leg.rid,
         "bootstrap_room": leg.room,
@@ -51,6 +63,7 @@ def _leg(leg: Leg, stuck: dict, now: int) -> dict:
         "arrived_unix_s": _s(leg.arrive_ns),
         "ended_unix_s": _s(leg.end_ns),
         "tokens": leg.tokens,
+        "prompt_tokens": leg.prompt_tokens,
         "stages": [
             {"stage": stage, "start_unix_s": _s(start), "end_unix_s": _s(end),
              "duration_s": round((end - start) / 1e9, 6), "error": error}
@@ -60,68 +73,75 @@ def _leg(leg: Leg, stuck: dict, now: int) -> dict:
     if out["state"] == "open":
         out["stage"] = leg.stage
         out["stage_since_unix_s"] = _s(leg.stage_since_ns)
-        offset = leg.inc.offset_ns() if leg.inc is not None else 0
-        out["stage_age_s"] = round((now - offset - leg.stage_since_ns) / 1e9, 3)
+        out["stage_age_s"] = round(leg_age_s(leg, now), 3)  # decode: since its last new token
+        out["error"] = leg.error
         verdict = stuck.get((leg.trace_id, leg.role))
         out["stuck"] = verdict is not None
         if verdict is not None:
             out["threshold_s"] = round(verdict.threshold_s, 3)
+            out["reason"] = verdict.reason
+            out["why"] = verdict.why
     return out
 
 
-def request_detail(tracker: Tracker, trace_id: str) -> dict | None:
-    with tracker.lock:
-        ev = tracker.evaluate()
-        stuck = {(s.leg.trace_id, s.leg.role): s for s in ev.stuck}
-        legs = []
-        for role in c.ROLES:
-            leg = tracker.open.get((trace_id, role)) or tracker.closed.get((trace_id, role))
-            if leg is not None:
-                legs.append(_leg(leg, stuck, ev.at_ns))
-        if not legs:
-            return None
-        return {"trace_id": trace_id, "legs": legs}
+def request_detail(tracker: Tracker, ev: Evaluation, trace_id: str) -> dict[str, Any] | None:
+    """Both legs of one request; call on the tracker's thread."""
+    stuck = {(s.trace_id, s.role): s for s in ev.stuck if s.trace_id == trace_id}
+    now = tracker.clock()
+    legs = []
+    for role in c.ROLES:
+        leg = tracker.open.get((trace_id, role)) or tracker.closed.get((trace_id, role))
+        if leg is not None:
+            legs.append(_leg(leg, stuck, now))
+    if not legs:
+        return None
+    return {"trace_id": trace_id, "legs": legs}
 
 
-def summary(tracker: Tracker) -> dict:
+def instance(inst: InstanceView) -> dict[str, Any]:
+    return {
+        "cluster": inst.cluster,
+        "pd_instance": inst.name,
+        "role": inst.role,
+        "up": inst.up,
+        "loop_stalled": inst.loop_stalled,
+        "loop_frozen": inst.loop_frozen,
+        "restarts": inst.restarts,
+        "restart_times_unix_s": [_s(t) for t in inst.restart_times_ns],
+        "open": inst.open_counts,
+        "finished_ok_recent": inst.finished_ok_recent,
+        "ranks": [
+            {"tp_rank": r.rank, "incarnation": r.incarnation, "pid": r.pid, "host": r.host,
+             "start_unix_s": _s(r.start_ns), "heartbeat_seq": r.heartbeat_seq,
+             "heartbeat_age_s": None if r.heartbeat_age_s is None else round(r.heartbeat_age_s, 3), "up": r.up,
+             "loop_iterations": r.loop_iterations, "loop_still_s": round(r.loop_still_s, 3),
+             "loop_rule_s": round(r.loop_rule_s, 3), "completed": r.completed, "failed": r.failed,
+             "tokens_generated": r.tokens_generated, "open_total": r.open_total, "clock_offset_s": r.offset_s,
+             "gpu_uuids": list(r.gpu_uuids), "peer_ids": list(r.peer_ids), "engine": r.engine}
+            for r in inst.ranks
+        ],
+    }
+
+
+def summary(ev: Evaluation) -> dict[str, Any]:
     """Per cluster: legs finished by role and outcome, open legs per role and stage, flow, stuck; instances."""
-    with tracker.lock:
-        ev = tracker.evaluate()
-        now = ev.at_ns
-        clusters: dict = {}
-        for name in tracker.clusters:
-            clusters[name] = {"finished": {}, "open": {}, "flowing": bool(ev.flowing.get(name)), "stuck": 0}
-        # Summed from the same counts as pdwatch_requests_finished_total, so the two always agree.
-        for (cluster, role, _inst, outcome), n in tracker.finished.items():
-            if cluster in clusters:
-                by_outcome = clusters[cluster]["finished"].setdefault(role, {})
-                by_outcome[outcome] = by_outcome.get(outcome, 0) + n
-        instances = []
-        for inst in tracker.instances.values():
-            cl = clusters[inst.cluster]
-            owner = inst.owner
-            counts = owner.open_counts if owner is not None else {}
-            per_stage = cl["open"].setdefault(inst.role, dict.fromkeys(c.STAGES[inst.role], 0))
-            for stage, n in counts.items():
-                per_stage[stage] = per_stage.get(stage, 0) + n
-            instances.append({
-                "cluster": inst.cluster,
-                "pd_instance": inst.name,
-                "role": inst.role,
-                "up": tracker.instance_up(inst, now),
-                "loop_stalled": tracker.loop_stalled(inst, now),
-                "restarts": inst.restarts,
-                "ranks": [
-                    {"tp_rank": inc.rank, "incarnation": inc.id, "pid": inc.pid, "host": inc.host,
-                     "start_unix_s": _s(inc.start_ns), "heartbeat_seq": inc.seq,
-                     "loop_iterations": inc.loop_iterations, "completed": inc.completed, "failed": inc.failed,
-                     "tokens_generated": inc.tokens_generated, "open_total": inc.open_total,
-                     "clock_offset_s": round(inc.offset_ns() / 1e9, 3), "gpu_uuids": list(inc.gpu_uuids),
-                     "engine": inc.extra}
-                    for inc in sorted(inst.ranks.values(), key=lambda i: i.rank)
-                ],
-            })
-        for s in ev.stuck:
-            clusters[s.leg.cluster]["stuck"] += 1
-        return {"at_unix_s": _s(now), "clusters": clusters, "instances": instances,
-                "tracked_legs": len(tracker.open)}
+    clusters: dict[str, dict[str, Any]] = {
+        name: {"finished": {}, "open": {}, "flowing": bool(ev.flowing.get(name)), "stuck": 0,
+               "stuck_by_reason": {}}
+        for name in ev.clusters()
+    }
+    # Summed from the same counts as pdwatch_requests_finished_total, so the two always agree.
+    for (cluster, role, _inst, outcome), n in ev.counters.finished.items():
+        if cluster in clusters:
+            by_outcome = clusters[cluster]["finished"].setdefault(role, {})
+            by_outcome[outcome] = by_outcome.get(outcome, 0) + n
+    for inst in ev.instances:
+        per_stage = clusters[inst.cluster]["open"].setdefault(inst.role, dict.fromkeys(c.STAGES[inst.role], 0))
+        for stage, n in inst.open_counts.items():
+            per_stage[stage] = per_stage.get(stage, 0) + n
+    for s in ev.stuck:
+        cl = clusters[s.cluster]
+        cl["stuck"] += 1
+        cl["stuck_by_reason"][s.reason] = cl["stuck_by_reason"].get(s.reason, 0) + 1
+    return {"at_unix_s": _s(ev.at_ns), "clusters": clusters, "instances": [instance(i) for i in ev.instances],
+            "tracked_legs": ev.counters.tracked_legs}

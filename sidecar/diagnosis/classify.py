@@ -104,20 +104,32 @@ def engine_silent(f: ClusterFacts) -> Finding | None:
 def collective_desync(f: ClusterFacts) -> Finding | None:
     evidence, confidence = [], 0.0
     for i in f.instances:
-        if not i.up or not i.loop_stalled:
+        if not i.up or not (i.loop_stalled or i.loop_frozen):
             continue
         # In a TP group the ranks that entered the collective spin while the one
         # that never joined sits idle: any busy GPU of the frozen instance counts.
         spinning = [g for g in i.gpus if g.utilization is not None and g.utilization >= BUSY_UTILIZATION]
         reading, text = _gpu_reading(spinning) if spinning else _gpu_reading(i.gpus)
+        frozen = (f"{i.role} {i.pd_instance}: scheduler loop frozen with {i.open_legs} leg(s) open while "
+                  "heartbeats continue")
+        held = sum(i.evidence.values())
+        if held:
+            frozen += f" ({held} leg(s) stuck on it)"
         if reading == "busy":
-            evidence.append(f"{i.role} {i.pd_instance}: scheduler loop frozen while heartbeats continue; {text}: "
-                            "the ranks spin in a collective that never completes")
+            evidence.append(f"{frozen}; {text}: the ranks spin in a collective that never completes")
             confidence = max(confidence, 0.85)
+        elif reading is None and i.loop_frozen:
+            # The loop rule is evidence on its own; the GPUs would say whether it is a collective.
+            evidence.append(f"{frozen}; {text}: GPU utilization would confirm a collective hang "
+                            "(~100 %) or rule it out")
+            confidence = max(confidence, 0.65)
         elif reading is None:
-            evidence.append(f"{i.role} {i.pd_instance}: scheduler loop frozen while heartbeats continue; {text}, "
-                            "so a collective hang cannot be confirmed")
+            evidence.append(f"{frozen}; {text}, so a collective hang cannot be confirmed")
             confidence = max(confidence, 0.4)
+        elif i.loop_frozen:
+            evidence.append(f"{frozen}; {text}: not spinning, so a hang outside a collective "
+                            "(a kernel, a lock, the host) is as likely")
+            confidence = max(confidence, 0.55)
     if not evidence:
         return None
     return Finding("collective_desync", confidence, evidence, ACTIONS["collective_desync"])
@@ -136,6 +148,29 @@ def _explained_by_silence(f: ClusterFacts, evidence: list, stages: str) -> float
     names = ", ".join(f"{i.role} {i.pd_instance}" for i in down)
     evidence.append(f"{names} sent no heartbeat: the legs stuck in {stages} may wait on it (engine_silent)")
     return 0.3
+
+
+def _explained_by_frozen(f: ClusterFacts, evidence: list, stages: str) -> float:
+    """How much a wedge's confidence drops because a frozen engine loop explains its stuck legs.
+
+    A loop that stopped (a collective hang on a decode, say) leaves the legs of
+    its PD peers waiting in bootstrap or transfer: a downstream symptom. The
+    frozen loop is the finding to lead with."""
+    frozen = f.frozen
+    if not frozen:
+        return 0.0
+    names = ", ".join(f"{i.role} {i.pd_instance}" for i in frozen)
+    evidence.append(f"{names}: scheduler loop frozen while it heartbeats: the legs stuck in {stages} may wait "
+                    "on it (collective_desync)")
+    return 0.3
+
+
+def _peer_gone_sentence(f: ClusterFacts, evidence: list, *stages: str) -> float:
+    n = f.on_evidence("peer_gone", *stages)
+    if not n:
+        return 0.0
+    evidence.append(f"{n} of them talk to a KV peer whose process has ended (peer_gone): they can never finish")
+    return 0.1
 
 
 def transfer_wedge(f: ClusterFacts) -> Finding | None:
@@ -161,7 +196,9 @@ def transfer_wedge(f: ClusterFacts) -> Finding | None:
         confidence -= 0.2
     elif reading is None:
         evidence.append(f"{names}: no GPU telemetry, so a collective hang is not ruled out by power and utilization")
+    confidence += _peer_gone_sentence(f, evidence, "transfer")
     confidence -= _explained_by_silence(f, evidence, "transfer")
+    confidence -= _explained_by_frozen(f, evidence, "transfer")
     return Finding("transfer_wedge", min(confidence, 0.95), evidence, ACTIONS["transfer_wedge"])
 
 
@@ -187,6 +224,7 @@ def queue_starvation(f: ClusterFacts) -> Finding | None:
                 confidence = 0.55
     if not evidence:
         return None
+    confidence -= _explained_by_frozen(f, evidence, "queued")
     return Finding("queue_starvation", confidence, evidence, ACTIONS["queue_starvation"])
 
 
@@ -200,7 +238,8 @@ def bootstrap_wedge(f: ClusterFacts) -> Finding | None:
         return None
     evidence = [_stuck_sentence(f, ("bootstrap",)) + f" while {_flow_sentence(f)}",
                 "stuck on " + ", ".join(f"{i.role} {i.pd_instance}" for i in wedged)]
-    confidence = 0.7 - _explained_by_silence(f, evidence, "bootstrap")
+    confidence = 0.7 + _peer_gone_sentence(f, evidence, "bootstrap") - _explained_by_silence(f, evidence, "bootstrap") \
+        - _explained_by_frozen(f, evidence, "bootstrap")
     if f.stuck_in("transfer"):
         # A decode whose transfers never end runs out of KV memory; requests routed to it then
         # wait in bootstrap on both sides (seen on live SGLang): the transfer wedge comes first.
@@ -267,9 +306,11 @@ def classify(f: ClusterFacts) -> list[Finding]:
     return findings
 
 
-def verdict(f: ClusterFacts) -> dict:
-    """Contract section 7's per-cluster diagnosis: the leading family plus every finding."""
-    findings = [x for x in classify(f) if x.confidence >= REPORT_AT]
+def verdict(f: ClusterFacts, findings: list[Finding] | None = None) -> dict:
+    """Contract section 7's per-cluster diagnosis: the leading family plus every finding.
+
+    `findings` are classify(f)'s, when the caller has them already."""
+    findings = [x for x in (classify(f) if findings is None else findings) if x.confidence >= REPORT_AT]
     if not findings:
         return {"cluster": f.cluster, "family": None, "confidence": 0.0,
                 "evidence": [_flow_sentence(f) + f"; {sum(f.stuck.values())} leg(s) stuck"],

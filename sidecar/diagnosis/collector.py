@@ -1,31 +1,36 @@
-"""pdwatch_suspected_failure{cluster, family}: 1 for each family the diagnosis suspects."""
+"""pdwatch_suspected_failure{cluster, family}: 1 for each family the judge's diagnosis suspects."""
 
 from __future__ import annotations
 
-from prometheus_client.core import GaugeMetricFamily
+from typing import Callable, Iterator
 
-from .classify import ACTIONS, REPORT_AT, classify
-from .from_tracker import gather
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from pdwatch import contract as c
+
+from ..evaluation import Evaluation
+from .classify import REPORT_AT
 
 
 class DiagnosisCollector:
-    def __init__(self, sidecar):
-        self.sidecar = sidecar
+    def __init__(self, latest: Callable[[], Evaluation]):
+        self._latest = latest
 
-    def describe(self):
-        return []
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
 
-    def collect(self):
-        family = GaugeMetricFamily("pdwatch_suspected_failure",
+    def collect(self) -> Iterator[Metric]:
+        ev = self._latest()
+        family = GaugeMetricFamily(c.SUSPECTED_FAILURE.name,
                                    "1 when the diagnosis suspects this failure family in the cluster.",
-                                   labels=["cluster", "family"])
+                                   labels=list(c.SUSPECTED_FAILURE.labels))
         confidence = GaugeMetricFamily("pdwatch_diagnosis_confidence",
                                        "Confidence (0..1) of each failure family the diagnosis considered.",
-                                       labels=["cluster", "family"])
-        for facts in gather(self.sidecar):
-            found = {f.family: f.confidence for f in classify(facts)}
-            for name in ACTIONS:  # every family, so a cleared suspicion reads 0 rather than vanishing
+                                       labels=[c.L_CLUSTER, c.L_FAMILY])
+        for cluster, found in sorted(ev.confidences.items()):
+            for name in c.FAMILIES:  # every family, so a cleared suspicion reads 0 rather than vanishing
                 value = found.get(name, 0.0)
-                family.add_metric([facts.cluster, name], 1 if value >= REPORT_AT else 0)
-                confidence.add_metric([facts.cluster, name], round(value, 2))
-        return [family, confidence]
+                family.add_metric([cluster, name], 1 if value >= REPORT_AT else 0)
+                confidence.add_metric([cluster, name], value)
+        yield family
+        yield confidence

@@ -28,6 +28,9 @@ class InstanceFacts:
     open_legs: int
     stuck: dict = field(default_factory=dict)  # stage -> stuck legs
     gpus: list = field(default_factory=list)  # GpuFacts
+    # Contract section 5b: the loop rule holds, and legs stuck on evidence by reason.
+    loop_frozen: bool = False
+    evidence: dict = field(default_factory=dict)  # reason -> stuck legs
 
 
 @dataclass
@@ -41,6 +44,7 @@ class ClusterFacts:
     thresholds_s: dict = field(default_factory=dict)  # (role, stage) -> seconds
     instances: list = field(default_factory=list)  # InstanceFacts
     gpu_telemetry_up: bool = False
+    evidence: dict = field(default_factory=dict)  # (role, stage, reason) -> legs stuck on that evidence
 
     @property
     def flowing(self) -> bool:
@@ -53,6 +57,15 @@ class ClusterFacts:
 
     def stuck_in(self, *stages: str, role: str | None = None) -> int:
         return sum(n for (r, s), n in self.stuck.items() if s in stages and (role is None or r == role))
+
+    def on_evidence(self, reason: str, *stages: str) -> int:
+        """Legs stuck on this evidence (in these stages, if any are named)."""
+        return sum(n for (_r, s, why), n in self.evidence.items() if why == reason and (not stages or s in stages))
+
+    @property
+    def frozen(self) -> list:
+        """Instances whose loop is frozen while they heartbeat (contract section 5b)."""
+        return [i for i in self.instances if i.up and i.loop_frozen]
 
 
 @dataclass

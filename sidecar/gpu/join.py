@@ -118,3 +118,30 @@ def join(
             continue
         out.append((dev, None, "none"))
     return out
+
+
+class OwnerMemory:
+    """`join`, remembering each device's last owner.
+
+    A GPU that fell off the bus lists no processes, so a PID join would lose it
+    exactly when its owner matters most: a failing device keeps the owner it
+    had when last joined (marked `*_last_known`). Bounded by the devices seen.
+    """
+
+    def __init__(self, configured: dict[str, Owner]):
+        self.configured = dict(configured)
+        self._last: dict[int, tuple[str, Owner, str]] = {}
+
+    def join(self, devices: Sequence[DeviceSample], claims: Sequence[InstanceClaim]
+             ) -> list[tuple[DeviceSample, Owner | None, str]]:
+        out = []
+        for dev, owner, how in join(devices, claims, self.configured):
+            last = self._last.get(dev.index)
+            if owner is not None:
+                self._last[dev.index] = (dev.uuid, owner, how)
+            elif dev.failures and last is not None and last[0] == dev.uuid:
+                owner, how = last[1], last[2] + "_last_known"
+            out.append((dev, owner, how))
+        for index in self._last.keys() - {d.index for d in devices}:
+            del self._last[index]
+        return out

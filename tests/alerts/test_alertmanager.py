@@ -11,6 +11,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import httpx
+from pdwatch.testbed.processes import free_port as _free_port
 import pytest
 
 CONFIG = Path(__file__).resolve().parents[2] / "alerts" / "alertmanager.example.yml"
@@ -38,12 +39,6 @@ def test_routes_by_severity(labels, receiver):
     out = _amtool("config", "routes", "test", f"--config.file={CONFIG}", *labels)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.split() == [receiver]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

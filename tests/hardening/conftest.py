@@ -18,6 +18,7 @@ from pdwatch import contract as c
 from pdwatch.sidecar import views
 from pdwatch.sidecar.tracker import _SEEN_SPANS_MAX, Tracker
 from tests.sidecar.conftest import T0, Engine, FakeClock, LiveSidecar
+from tests.support.tracking import evaluate
 
 __all__ = ["T0", "Engine", "FakeClock", "LiveSidecar", "any_value", "resource_spans", "span", "check_invariants"]
 
@@ -82,29 +83,28 @@ def heartbeat(seq: int, at_ns: int, inventory: list[tuple[str, str, int]] | None
 
 def check_invariants(t: Tracker) -> None:
     """What must hold after any input, however wrong: bounded, consistent, and every view renders as strict JSON."""
-    with t.lock:
-        assert len(t.open) <= t.max_open
-        assert len(t.closed) <= t.max_closed
-        assert len(t.instances) <= t.max_instances
-        assert len(t._seen_spans) <= _SEEN_SPANS_MAX
-        for key, leg in t.open.items():
-            assert key == (leg.trace_id, leg.role)
-            assert leg.role in c.ROLES and leg.outcome is None and leg.end_ns is None
-            assert len(leg.trace_id) == 32 and int(leg.trace_id, 16) > 0
-            assert leg.stage is None or leg.stage in c.STAGES[leg.role]
-            assert leg.inc is not None and key in leg.inc.keys
-            inst = t.instances.get((leg.cluster, leg.pd_instance))
-            assert inst is not None and leg.inc in inst.ranks.values()
-        for (cluster, _), inst in t.instances.items():
-            assert cluster in t.clusters
-            assert inst.role in c.ROLES and all(0 <= r < 1024 for r in inst.ranks)
-        for n in (*t.rejected.values(), *t.evicted.values(), t.duplicates, t.spans_received):
-            assert isinstance(n, int) and n >= 0
-        ev = t.evaluate()
-        for s in ev.stuck:
-            assert s.age_s == s.age_s and s.threshold_s > 0  # not NaN
-        docs = [views.stuck_list(t), views.summary(t)]
-        docs += [views.request_detail(t, tid) for tid, _ in list(t.open)[:50]]
+    assert len(t.open) <= t.max_open
+    assert len(t.closed) <= t.max_closed
+    assert len(t.instances) <= t.max_instances
+    assert len(t._seen_spans) <= _SEEN_SPANS_MAX
+    for key, leg in t.open.items():
+        assert key == (leg.trace_id, leg.role)
+        assert leg.role in c.ROLES and leg.outcome is None and leg.end_ns is None
+        assert len(leg.trace_id) == 32 and int(leg.trace_id, 16) > 0
+        assert leg.stage is None or leg.stage in c.STAGES[leg.role]
+        assert leg.inc is not None and key in leg.inc.keys
+        inst = t.instances.get((leg.cluster, leg.pd_instance))
+        assert inst is not None and leg.inc in inst.ranks.values()
+    for (cluster, _), inst in t.instances.items():
+        assert cluster in t.clusters
+        assert inst.role in c.ROLES and all(0 <= r < 1024 for r in inst.ranks)
+    for n in (*t.rejected.values(), *t.evicted.values(), t.duplicates, t.spans_received):
+        assert isinstance(n, int) and n >= 0
+    ev = evaluate(t)
+    for s in ev.stuck:
+        assert s.age_s == s.age_s and s.threshold_s > 0  # not NaN
+    docs = [views.stuck_list(ev), views.summary(ev), list(ev.diagnosis)]
+    docs += [views.request_detail(t, ev, tid) for tid, _ in list(t.open)[:50]]
     for doc in docs:
         json.dumps(doc, allow_nan=False)  # what FastAPI's JSONResponse demands
 
@@ -139,8 +139,9 @@ def live_sidecar():
 
     started = []
 
-    def start(clock=time.time_ns, **settings):
-        s = LiveSidecar(Settings(**{"nvml": "off", **settings}), clock=clock).__enter__()
+    def start(clock=time.time_ns, nvml_library=None, forward_options=None, **settings):
+        s = LiveSidecar(Settings(**{"nvml": "off", **settings}), clock=clock, nvml_library=nvml_library,
+                        forward_options=forward_options).__enter__()
         started.append(s)
         return s
 

@@ -170,7 +170,7 @@ def test_each_kind_of_bad_input_gets_a_4xx_or_a_partial_success(live_sidecar, en
             else:
                 assert r.json()["detail"], name  # a clear reason, not an empty error
             seen.append((name, r.status_code))
-            check_invariants(sc.sidecar.tracker)
+            sc.sidecar.worker.call(check_invariants, sc.sidecar.tracker)
         for path in ("/api/v1/stuck", "/api/v1/summary", "/api/v1/diagnosis", "/metrics", "/healthz",
                      f"/api/v1/requests/{'1' * 32}", f"/api/v1/requests/{TID.hex()}"):
             assert http.get(path).status_code in (200, 404), path
@@ -234,4 +234,4 @@ def test_any_body_gets_a_4xx_or_200_never_a_5xx(in_process, case):
     if r.status_code == 200 and headers["content-type"] != "application/json":
         ExportTraceServiceResponse.FromString(r.content)
     assert sc.guard.errors == 0
-    check_invariants(sc.tracker)
+    sc.worker.call(check_invariants, sc.tracker)

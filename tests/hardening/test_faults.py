@@ -11,6 +11,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from pdwatch import contract as c
 from pdwatch.sidecar.tracker import Tracker
+from tests.support.tracking import evaluate, ingest
 
 from .conftest import FLOORS, FakeClock, check_invariants
 
@@ -48,10 +49,10 @@ def incident(clock, engines, rounds: int = 6):
 
 def facts(t: Tracker, now: int):
     """What the sidecar says about the incident: open legs with stage and entry, outcomes, stuck legs and ages."""
-    ev = t.evaluate(now)
+    ev = evaluate(t, now)
     open_legs = {k: (l.stage, l.stage_since_ns, l.rid, l.room) for k, l in t.open.items()}
     outcomes = {k: l.outcome for k, l in t.closed.items() if l.outcome is not None}
-    stuck = {(s.leg.trace_id, s.leg.role): round(s.age_s, 6) for s in ev.stuck}
+    stuck = {(s.trace_id, s.role): round(s.age_s, 6) for s in ev.stuck}
     return open_legs, outcomes, stuck, dict(t.finished), dict(t.stuck_detected)
 
 
@@ -61,7 +62,7 @@ def test_out_of_order_duplicate_and_replayed_spans_change_nothing_twice(engines,
     judge_at = end + 20 * 10**9
     in_order = Tracker(FLOORS, clock=lambda: end)
     for req in requests:
-        in_order.ingest(req)
+        ingest(in_order, req)
     want = facts(in_order, judge_at)
     assert set(want[2]) == {(tid(r), role) for r in (3, 7, 11, 15, 19, 23) for role in ("prefill", "decode")}
 
@@ -83,16 +84,16 @@ def test_out_of_order_duplicate_and_replayed_spans_change_nothing_twice(engines,
         batch = ExportTraceServiceRequest()
         for one in singles[i:i + 5]:
             batch.resource_spans.extend(one.resource_spans)
-        messy.ingest(batch)
-        messy.ingest(batch)  # an exporter retry after a lost response
+        ingest(messy, batch)
+        ingest(messy, batch)  # an exporter retry after a lost response
     for req in requests:
-        messy.ingest(req)  # a replay of everything
+        ingest(messy, req)  # a replay of everything
     assert facts(messy, judge_at) == want
     assert messy.duplicates >= len(singles) * 2 - len(requests)  # every span applied once
     check_invariants(messy)
     # A detection is counted once however often the rule runs.
     for _ in range(3):
-        messy.evaluate(judge_at + 10**9)
+        evaluate(messy, judge_at + 10**9)
     assert sum(messy.stuck_detected.values()) == len(want[2])
 
 
@@ -105,8 +106,8 @@ def test_a_heartbeat_that_arrives_late_does_not_undo_a_newer_one(engines, clock)
     p.rec.enter("p-1", "transfer")
     newer = p.request(heartbeat=True)
     t = Tracker(FLOORS, clock=clock)
-    t.ingest(newer)
-    t.ingest(older)
+    ingest(t, newer)
+    ingest(t, older)
     leg = t.open[(tid(1), "prefill")]
     assert leg.stage == "transfer" and leg.stage_since_ns == clock.now
 
@@ -132,6 +133,7 @@ def test_engines_whose_clocks_run_minutes_off_get_true_ages(engines, clock, live
             for e in (ahead, behind):
                 assert http.post("/v1/traces", content=e.request(True).SerializeToString(), headers=PB).status_code == 200
             clock.advance(2)
+        sc.judge_now()
         assert http.get("/api/v1/stuck").json() == []  # 6 s in transfer: not 306 s, and not -414 s
         detail = http.get(f"/api/v1/requests/{tid(1)}").json()
         ages = {leg["role"]: leg["stage_age_s"] for leg in detail["legs"]}
@@ -140,6 +142,7 @@ def test_engines_whose_clocks_run_minutes_off_get_true_ages(engines, clock, live
         offsets = {i["pd_instance"]: i["ranks"][0]["clock_offset_s"] for i in summary["instances"]}
         assert offsets == {"prefill-ahead": -300.0, "decode-behind": 420.0}
         clock.advance(9.5)  # 15.5 s in transfer
+        sc.judge_now()
         stuck = {s["role"]: s["stage_age_s"] for s in http.get("/api/v1/stuck").json()}
         assert stuck == {"prefill": 15.5, "decode": 15.5}
 
@@ -152,6 +155,7 @@ def test_a_sidecar_restarted_mid_incident_finds_the_stuck_legs_again_with_their_
         for req in requests:
             http.post("/v1/traces", content=req.SerializeToString(), headers=PB)
         clock.advance(16)
+        first.judge_now()
         before = {(s["trace_id"], s["role"]): s for s in http.get("/api/v1/stuck").json()}
         assert http.get("/metrics").text.count("pdwatch_stuck_detected_total{") == 2  # prefill and decode
     assert len(before) == 6
@@ -164,6 +168,7 @@ def test_a_sidecar_restarted_mid_incident_finds_the_stuck_legs_again_with_their_
         for e in (p, d):
             assert http.post("/v1/traces", content=e.request(heartbeat=True).SerializeToString(),
                              headers=PB).status_code == 200
+        second.judge_now()
         after = {(s["trace_id"], s["role"]): s for s in http.get("/api/v1/stuck").json()}
         metrics = http.get("/metrics").text
     assert set(after) == set(before)
@@ -174,7 +179,7 @@ def test_a_sidecar_restarted_mid_incident_finds_the_stuck_legs_again_with_their_
     # Detected again (pd.stuck forwarding hangs on the same first detection), counted by the new process.
     for role in ("prefill", "decode"):
         assert f'pdwatch_stuck_detected_total{{cluster="default",role="{role}",stage="transfer"}} 3.0' in metrics
-    check_invariants(second.sidecar.tracker)
+    second.sidecar.worker.call(check_invariants, second.sidecar.tracker)
 
 
 def test_after_a_restart_a_decode_leg_with_tokens_is_aged_from_its_last_token(engines, clock):
@@ -182,13 +187,13 @@ def test_after_a_restart_a_decode_leg_with_tokens_is_aged_from_its_last_token(en
     d.walk("d-1", 1, ("bootstrap", "transfer", "queued", "decode"))
     d.rec.token("d-1", 7)
     first = Tracker(FLOORS, clock=clock)
-    first.ingest(d.request(heartbeat=True))
+    ingest(first, d.request(heartbeat=True))
     clock.advance(40)  # no token for 40 s: past the decode floor of 30
-    first.ingest(d.request(heartbeat=True))
-    assert [(s.leg.stage, round(s.age_s)) for s in first.evaluate().stuck] == [("decode", 40)]
+    ingest(first, d.request(heartbeat=True))
+    assert [(s.stage, round(s.age_s)) for s in evaluate(first).stuck] == [("decode", 40)]
     second = Tracker(FLOORS, clock=clock)  # restarted: the inventory says when the last token came
-    second.ingest(d.request(heartbeat=True))
-    assert [(s.leg.stage, round(s.age_s)) for s in second.evaluate().stuck] == [("decode", 40)]
+    ingest(second, d.request(heartbeat=True))
+    assert [(s.stage, round(s.age_s)) for s in evaluate(second).stuck] == [("decode", 40)]
 
 
 def without(request, attribute: str):
@@ -209,11 +214,11 @@ def test_without_last_token_times_a_decode_leg_is_found_one_floor_later_never_fa
     d.request(heartbeat=True)
     clock.advance(40)  # no token for 40 s: past the decode floor of 30
     second = Tracker(FLOORS, clock=clock)  # restarted, and the engine sends only the contract's lists
-    second.ingest(without(d.request(heartbeat=True), c.H_OPEN_LAST_TOKEN))
-    assert second.evaluate().stuck == []
+    ingest(second, without(d.request(heartbeat=True), c.H_OPEN_LAST_TOKEN))
+    assert evaluate(second).stuck == ()
     clock.advance(29)
-    second.ingest(without(d.request(heartbeat=True), c.H_OPEN_LAST_TOKEN))
-    assert second.evaluate().stuck == []
+    ingest(second, without(d.request(heartbeat=True), c.H_OPEN_LAST_TOKEN))
+    assert evaluate(second).stuck == ()
     clock.advance(2)
-    second.ingest(without(d.request(heartbeat=True), c.H_OPEN_LAST_TOKEN))
-    assert [(s.leg.stage, round(s.age_s)) for s in second.evaluate().stuck] == [("decode", 31)]
+    ingest(second, without(d.request(heartbeat=True), c.H_OPEN_LAST_TOKEN))
+    assert [(s.stage, round(s.age_s)) for s in evaluate(second).stuck] == [("decode", 31)]

@@ -12,8 +12,10 @@ import pytest
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from pdwatch.testbed.processes import free_port
 from pdwatch.engine_patches.recorder import Recorder, RecorderConfig
 from pdwatch.sidecar.tracker import Tracker
+from tests.support.tracking import ingest
 
 T0 = 1_800_000_000_000_000_000
 
@@ -53,7 +55,7 @@ class Engine:
         return encode_spans(spans)
 
     def send(self, tracker: Tracker, heartbeat: bool = True):
-        return tracker.ingest(self.request(heartbeat))
+        return ingest(tracker, self.request(heartbeat))
 
     def walk(self, rid: str, room: int, stages, **arrive):
         self.rec.arrive(rid, bootstrap_room=room, **arrive)
@@ -85,23 +87,17 @@ def engines(clock):
         e.rec.shutdown(timeout_s=1)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class LiveSidecar:
     """The real app under a real uvicorn server on a loopback port, in this process (so tests can read state)."""
 
-    def __init__(self, settings, clock=time.time_ns):
+    def __init__(self, settings, clock=time.time_ns, **options):
         import uvicorn
 
         from pdwatch.sidecar.app import create_app
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.app = create_app(settings, clock=clock)
+        self.app = create_app(settings, clock=clock, **options)
         self.sidecar = self.app.state.sidecar
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
                                                     access_log=False))
@@ -120,6 +116,14 @@ class LiveSidecar:
         self.server.should_exit = True
         self.thread.join(10)
 
+    def judge_now(self):
+        """The judge's tick at once (a fake clock moved): what the API shows next."""
+        return self.sidecar.judge_now()
+
+    def read(self, fn, *args):
+        """fn(*args) on the tracker's thread: tests read its state where ingest writes it."""
+        return self.sidecar.worker.call(fn, *args)
+
 
 @pytest.fixture
 def live_sidecar():
@@ -127,8 +131,9 @@ def live_sidecar():
 
     started = []
 
-    def start(clock=time.time_ns, **settings):
-        s = LiveSidecar(Settings(**settings), clock=clock).__enter__()
+    def start(clock=time.time_ns, nvml_library=None, forward_options=None, **settings):
+        s = LiveSidecar(Settings(**settings), clock=clock, nvml_library=nvml_library,
+                        forward_options=forward_options).__enter__()
         started.append(s)
         return s
 

@@ -176,6 +176,7 @@ def test_spans_missing_contract_attributes_come_back_as_partial_success(live_sid
     resp = ExportTraceServiceResponse.FromString(r.content)
     assert resp.partial_success.rejected_spans == 1
     assert "pd.instance" in resp.partial_success.error_message
+    sc.judge_now()  # counters reach /metrics with the judge's next evaluation
     metrics = httpx.get(f"{sc.url}/metrics").text
     assert 'pdwatch_spans_rejected_total{reason="missing_attribute"} 1.0' in metrics
 

@@ -60,7 +60,7 @@ def all_spans(request: ExportTraceServiceRequest):
 
 def test_lifecycle_spans_arrive_unchanged_and_heartbeats_stay_home(live_sidecar, receiver, engines, clock):
     rcv = receiver()
-    sc = live_sidecar(clock=clock, forward_otlp_endpoint=rcv.url, extra={"forward": FAST})
+    sc = live_sidecar(clock=clock, forward_otlp_endpoint=rcv.url, forward_options=FAST)
     p = engines("prefill", "prefill-0")
     p.walk("p-1", 1, ("bootstrap", "queued", "prefill", "transfer"))
     clock.advance(0.5)
@@ -92,7 +92,7 @@ def test_lifecycle_spans_arrive_unchanged_and_heartbeats_stay_home(live_sidecar,
 
 def test_a_request_of_lifecycle_spans_only_is_forwarded_as_it_came(live_sidecar, receiver, engines, clock):
     rcv = receiver()
-    sc = live_sidecar(clock=clock, forward_otlp_endpoint=rcv.url, extra={"forward": FAST})
+    sc = live_sidecar(clock=clock, forward_otlp_endpoint=rcv.url, forward_options=FAST)
     p = engines("prefill", "prefill-0")
     p.walk("p-1", 1, ("bootstrap", "queued", "prefill", "transfer"))
     p.rec.finish("p-1")
@@ -110,7 +110,7 @@ def test_a_request_of_lifecycle_spans_only_is_forwarded_as_it_came(live_sidecar,
 
 def test_a_leg_that_becomes_stuck_sends_one_pd_stuck_span(live_sidecar, receiver, engines, clock):
     rcv = receiver()
-    sc = live_sidecar(clock=clock, floor_transfer_s=15, forward_otlp_endpoint=rcv.url, extra={"forward": FAST})
+    sc = live_sidecar(clock=clock, floor_transfer_s=15, forward_otlp_endpoint=rcv.url, forward_options=FAST)
     p = engines("prefill", "prefill-0", cluster="east")
     p.walk("p-1", 7, ("bootstrap", "queued", "prefill"))
     clock.advance(1)
@@ -118,9 +118,10 @@ def test_a_leg_that_becomes_stuck_sends_one_pd_stuck_span(live_sidecar, receiver
     entered = clock.now
     body = p.request(heartbeat=True).SerializeToString()
     assert httpx.post(f"{sc.url}/v1/traces", content=body, headers=PROTOBUF).status_code == 200
-    leg = sc.sidecar.tracker.open[(f"{c.room_trace_id(7):032x}", "prefill")]
+    leg = sc.read(lambda: sc.sidecar.tracker.open[(f"{c.room_trace_id(7):032x}", "prefill")])
     assert leg.span_id  # the heartbeat's pd.open.span_ids named the leg span
     clock.advance(42)
+    sc.judge_now()
     stuck = httpx.get(f"{sc.url}/api/v1/stuck").json()
     assert [s["trace_id"] for s in stuck] == [leg.trace_id]
     detected = clock.now
@@ -150,7 +151,7 @@ def test_a_stuck_leg_whose_span_id_is_unknown_gets_a_root_pd_stuck(live_sidecar,
     from .conftest import Engine
 
     rcv = receiver()
-    sc = live_sidecar(clock=clock, floor_queued_s=5, forward_otlp_endpoint=rcv.url, extra={"forward": FAST})
+    sc = live_sidecar(clock=clock, floor_queued_s=5, forward_otlp_endpoint=rcv.url, forward_options=FAST)
     d = Engine("decode", "decode-0", clock)
     try:
         d.walk("d-1", 3, ("bootstrap", "transfer"))
@@ -171,8 +172,8 @@ def test_a_stuck_leg_whose_span_id_is_unknown_gets_a_root_pd_stuck(live_sidecar,
 def test_receiver_down_ingest_unaffected_and_losses_counted(live_sidecar, engines, clock):
     down = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     sc = live_sidecar(clock=clock, forward_otlp_endpoint=down,
-                      extra={"forward": {"max_queue_spans": 12, "max_attempts": 2, "backoff_s": 1.0,
-                                         "max_backoff_s": 1.0, "timeout_s": 1}})
+                      forward_options={"max_queue_spans": 12, "max_attempts": 2, "backoff_s": 1.0,
+                                         "max_backoff_s": 1.0, "timeout_s": 1})
     p = engines("prefill", "prefill-0")
     n_requests, sent_spans = 6, 0
     for i in range(n_requests):
@@ -182,6 +183,7 @@ def test_receiver_down_ingest_unaffected_and_losses_counted(live_sidecar, engine
         sent_spans += len(all_spans(req))
         r = httpx.post(f"{sc.url}/v1/traces", content=req.SerializeToString(), headers=PROTOBUF)
         assert r.status_code == 200 and r.content == ExportTraceServiceResponse().SerializeToString()
+    sc.judge_now()
     assert metric(sc.url, "pdwatch_spans_received_total") == sent_spans
     assert metric(sc.url, "pdwatch_requests_finished_total", cluster="default", role="prefill",
                   pd_instance="prefill-0", outcome="ok") == n_requests
@@ -198,7 +200,7 @@ def test_receiver_down_ingest_unaffected_and_losses_counted(live_sidecar, engine
 def test_retries_honour_503_and_retry_after(live_sidecar, receiver, engines, clock):
     rcv = receiver(script=[(503, {"Retry-After": "1"}), (429, {})])
     sc = live_sidecar(clock=clock, forward_otlp_endpoint=rcv.url,
-                      extra={"forward": {"backoff_s": 0.01, "max_backoff_s": 5, "max_attempts": 4}})
+                      forward_options={"backoff_s": 0.01, "max_backoff_s": 5, "max_attempts": 4})
     p = engines("prefill", "prefill-0")
     p.walk("p-1", 1, ("bootstrap", "queued"))
     req = p.request(heartbeat=False)

@@ -5,13 +5,15 @@ from __future__ import annotations
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from pdwatch import contract as c
+from pdwatch.sidecar.spans import decode
+from tests.support.tracking import evaluate, ingest
 
 PREFILL_TO_TRANSFER = ("bootstrap", "queued", "prefill", "transfer")
 DECODE_TO_TRANSFER = ("bootstrap", "transfer")
 
 
 def stuck_keys(tracker):
-    return {(s.leg.trace_id, s.leg.role, s.leg.stage) for s in tracker.evaluate().stuck}
+    return {(s.trace_id, s.role, s.stage) for s in evaluate(tracker).stuck}
 
 
 def tid(room):
@@ -26,11 +28,11 @@ def test_a_leg_is_stuck_only_past_its_stage_floor(tracker, engines, clock):
     assert stuck_keys(tracker) == set()
     clock.advance(0.2)
     assert stuck_keys(tracker) == {(tid(1), "prefill", "transfer")}
-    (s,) = tracker.last_eval.stuck
+    (s,) = evaluate(tracker).stuck
     assert s.threshold_s == 15 and 15 < s.age_s < 15.2
     assert tracker.stuck_detected == {("default", "prefill", "transfer"): 1}
     clock.advance(10)
-    tracker.evaluate()
+    evaluate(tracker)
     assert tracker.stuck_detected == {("default", "prefill", "transfer"): 1}  # each leg once
 
 
@@ -60,13 +62,15 @@ def test_a_decode_that_keeps_producing_tokens_is_never_stuck(tracker, engines, c
     assert stuck_keys(tracker) == {(tid(1), "decode", "decode")}
 
 
-def test_ingest_counts_the_spans_that_are_not_lifecycle_spans(tracker, engines, clock):
+def test_decoding_tells_heartbeats_apart_for_the_forwarder(tracker, engines, clock):
     p = engines("prefill", "prefill-0")
     p.walk("p-1", 1, PREFILL_TO_TRANSFER)
-    assert p.send(tracker, heartbeat=False) == (0, [], 0)  # stage spans only: forwardable as they came
+    stages_only = decode(p.request(heartbeat=False))
+    assert (stages_only.spans, stages_only.heartbeats, stages_only.foreign) == (3, 0, 0)  # forwardable as it came
+    assert tracker.apply(stages_only) == (0, [])
     p.walk("p-2", 2, ("bootstrap",))
-    applied = p.send(tracker, heartbeat=True)
-    assert applied.rejected == 0 and applied.other == 1  # the heartbeat
+    with_beat = decode(p.request(heartbeat=True))
+    assert with_beat.heartbeats == 1 and tracker.apply(with_beat).rejected == 0
 
 
 def test_threshold_adapts_to_three_times_the_p99(tracker, engines, clock):
@@ -103,8 +107,8 @@ def test_duplicate_and_replayed_spans_change_nothing_twice(tracker, engines, clo
     clock.advance(1)
     p.rec.finish("p-1")
     request = p.request(heartbeat=True)
-    assert tracker.ingest(request) == (0, [], 1)
-    assert tracker.ingest(request) == (0, [], 1)  # an exporter retry
+    assert ingest(tracker, request) == (0, [])
+    assert ingest(tracker, request) == (0, [])  # an exporter retry
     assert tracker.finished == {("default", "prefill", "prefill-0", "ok"): 1}
     assert tracker.heartbeats_received == 1
     assert tracker.duplicates == 6  # 4 stage spans, 1 leg span, 1 heartbeat
@@ -126,8 +130,8 @@ def test_a_stale_heartbeat_does_not_resurrect_a_finished_leg(tracker, engines, c
     late = d.request(heartbeat=False)
     from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 
-    tracker.ingest(late)  # the finish arrives first...
-    tracker.ingest(encode_spans(early))  # ...then the older heartbeat
+    ingest(tracker, late)  # the finish arrives first...
+    ingest(tracker, encode_spans(early))  # ...then the older heartbeat
     assert tracker.open == {}
     clock.advance(100)
     assert stuck_keys(tracker) == set()
@@ -192,7 +196,7 @@ def test_an_instance_restart_ends_the_old_open_legs_as_lost(tracker, engines, cl
     assert stuck_keys(tracker) == set()
     # The old process's last words arrive late: refused, nothing changes.
     old.rec.enter("d-1", "queued")
-    rejected, messages, _ = old.send(tracker)
+    rejected, messages = old.send(tracker)
     assert rejected == 2 and tracker.rejected["stale_incarnation"] == 2
     assert tracker.open == {}
 
@@ -204,9 +208,9 @@ def test_others_flowing_is_per_cluster_and_expires(tracker, engines, clock):
     a.rec.finish("p-1")
     a.send(tracker)
     b.send(tracker)
-    assert tracker.evaluate().flowing == {"a": True, "b": False}
+    assert evaluate(tracker).flowing == {"a": True, "b": False}
     clock.advance(61)
-    assert tracker.evaluate().flowing == {"a": False, "b": False}
+    assert evaluate(tracker).flowing == {"a": False, "b": False}
 
 
 def test_instance_down_after_three_silent_intervals_and_loop_stall(tracker, engines, clock):
@@ -256,7 +260,7 @@ def test_unusable_spans_are_rejected_by_reason_and_change_nothing(tracker):
     cases = [
         ({"pd.role": {"stringValue": "decode"}}, {"name": "pd.heartbeat", "traceId": TRACE, "spanId": SPAN},
          "missing_attribute"),
-        (RESOURCE, {"name": "GET /", "traceId": TRACE, "spanId": SPAN}, "unknown_span"),
+        (RESOURCE, {"name": "pd.transferred", "traceId": TRACE, "spanId": SPAN}, "unknown_span"),
         (RESOURCE, {"name": "pd.request", "traceId": "AAAA", "spanId": SPAN}, "bad_id"),
         (RESOURCE, {"name": "pd.request", "traceId": TRACE, "spanId": SPAN}, "missing_attribute"),
         (RESOURCE, {"name": "pd.heartbeat", "traceId": TRACE, "spanId": SPAN, "attributes": [
@@ -276,29 +280,20 @@ def test_unusable_spans_are_rejected_by_reason_and_change_nothing(tracker):
     ]
     for resource, span, reason in cases:
         before = dict(tracker.rejected)
-        rejected, messages, _ = tracker.ingest(_request_from(resource, [span]))
+        rejected, messages = ingest(tracker, _request_from(resource, [span]))
         assert rejected == 1 and messages, (span["name"], reason)
         assert tracker.rejected[reason] == before[reason] + 1, (span, reason)
     assert tracker.open == {}
     assert tracker.heartbeats_received == 0
 
 
-def test_a_recent_evaluation_is_reused_until_spans_arrive_or_it_ages(tracker, engines, clock):
-    p = engines("prefill", "prefill-0")
-    p.walk("p-1", 1, PREFILL_TO_TRANSFER)
-    p.send(tracker)
-    clock.advance(16)
-    first = tracker.evaluate()
-    assert tracker.recent_evaluation() is first  # what a scrape's diagnosis reads after its metrics
-    clock.advance(0.5)
-    assert tracker.recent_evaluation() is first
-    p.walk("p-2", 2, ("bootstrap",))
-    p.send(tracker)
-    second = tracker.recent_evaluation()
-    assert second is not first and second.at_ns > first.at_ns  # new spans: judged again
-    clock.advance(2)
-    third = tracker.recent_evaluation()
-    assert third is not second and {s.leg.trace_id for s in third.stuck} == {tid(1)}
+def test_spans_that_are_not_pdwatchs_are_counted_apart_never_rejected(tracker):
+    """SGLang's own --enable-trace spans may reach the same endpoint: another resource, or other names."""
+    foreign_resource = {"service.name": {"stringValue": "sglang"}}
+    for resource, name in ((foreign_resource, "Req 1f2e"), (RESOURCE, "GET /generate")):
+        assert ingest(tracker, _request_from(resource, [{"name": name, "traceId": TRACE, "spanId": SPAN}])) == (0, [])
+    assert tracker.spans_foreign == 2 and tracker.spans_received == 2
+    assert sum(tracker.rejected.values()) == 0 and tracker.open == {}
 
 
 def test_probes_keep_their_own_traces_are_counted_apart_and_never_flow(tracker, engines, clock):
@@ -315,10 +310,10 @@ def test_probes_keep_their_own_traces_are_counted_apart_and_never_flow(tracker, 
     p.send(tracker)
     assert tracker.probes_finished == {("default", "prefill", "prefill-0", "ok"): 3}
     assert tracker.finished == {}
-    assert tracker.evaluate().flowing.get("default", False) is False
+    assert evaluate(tracker).flowing.get("default", False) is False
     # A real request's ok does flow.
     p.walk("p-1", 1, PREFILL_TO_TRANSFER)
     p.rec.finish("p-1", "ok")
     p.send(tracker)
     assert tracker.finished == {("default", "prefill", "prefill-0", "ok"): 1}
-    assert tracker.evaluate().flowing["default"] is True
+    assert evaluate(tracker).flowing["default"] is True

@@ -38,18 +38,13 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
+from pdwatch.testbed.processes import free_port as _free_port
 from pdwatch.engine_patches.recorder import Recorder, RecorderConfig
 from pdwatch.engine_patches.sglang import hooks
 from pdwatch.engine_patches.sglang.state import state
 from pdwatch.engine_patches.sglang.targets import TARGETS
 
 ROOM = 9_001
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pdwatch.sidecar.gpu import GpuSampler
+from pdwatch.sidecar.gpu.sampler import GpuSampler
 from pdwatch.testbed.gpu_emulation import STATE_ENV, STUB_LIBRARY, GpuEmulator
 
 REPO = Path(__file__).resolve().parents[3]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdwatch.sidecar.gpu import InstanceClaim, Owner, join, parse_gpu_map
+from pdwatch.sidecar.gpu.join import InstanceClaim, Owner, join, parse_gpu_map
 
 from .conftest import UUIDS
 

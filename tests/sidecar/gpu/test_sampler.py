@@ -11,7 +11,7 @@ from ctypes.util import find_library
 
 import pytest
 
-from pdwatch.sidecar.gpu import GpuSampler
+from pdwatch.sidecar.gpu.sampler import GpuSampler
 
 from tests.support.waiting import wait_for
 
@@ -174,7 +174,7 @@ def test_a_hung_nvml_call_marks_telemetry_stalled(gpus, make_sampler):
 
 NO_NVML_PROBE = """
 import json
-from pdwatch.sidecar.gpu import GpuSampler
+from pdwatch.sidecar.gpu.sampler import GpuSampler
 s = GpuSampler()
 s.sample_once()
 snap = s.snapshot()

@@ -15,6 +15,7 @@ import pytest
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdwatch.testbed.processes import free_port
 from pdwatch.engine_patches.recorder import Recorder, RecorderConfig
 
 from tests.support.waiting import wait_for
@@ -29,12 +30,6 @@ def wait_for_up(fn, timeout_s=20.0, **kw):
 pytestmark = pytest.mark.integration
 
 DECODE_PID = 424_242  # the pid the decode engine's heartbeats announce
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def gpu_series(url: str) -> dict[str, dict[str, tuple[dict[str, str], float]]]:

@@ -1,0 +1,253 @@
+"""The judge: the one place where time passes.
+
+On each tick (the worker thread, every `PDWATCH_EVALUATE_INTERVAL_S`) it
+forgets instances past their TTL, finds ranks that went down, applies the
+stuck rule and the evidence rules of contract section 5b to every open leg,
+joins GPUs to instances, diagnoses each cluster, and publishes the result as
+one immutable `Evaluation`. Legs that became stuck on this tick go to
+`on_stuck` once each (the forwarder's pd.stuck spans), with the family this
+same tick diagnosed.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Callable, Sequence
+
+from pdwatch import contract as c
+
+from .diagnosis.classify import REPORT_AT, classify, verdict
+from .diagnosis.from_evaluation import gather
+from .evaluation import EMPTY, Counters, Evaluation, GpuView, Group, InstanceView, Rank, StuckLeg
+from .gpu.join import InstanceClaim, Owner, OwnerMemory
+from .gpu.sampler import GpuSampler
+from .metrics import StageDurations
+from .model import Incarnation, Instance, Leg, leg_age_s
+from .tracker import Tracker
+
+log = logging.getLogger("pdwatch.sidecar.judge")
+
+_EVIDENCE_STAGES = ("bootstrap", "transfer")  # where a leg waits on its KV peer
+
+
+class Judge:
+    def __init__(
+        self,
+        tracker: Tracker,
+        *,
+        durations: StageDurations | None = None,
+        gpu: GpuSampler | None = None,
+        gpu_map: dict[str, Owner] | None = None,
+        on_stuck: Callable[[Sequence[StuckLeg], dict[str, str | None]], None] | None = None,
+    ):
+        self.tracker = tracker
+        self.durations = durations
+        self.gpu = gpu
+        self.owners = OwnerMemory(gpu_map or {})
+        self.on_stuck = on_stuck
+        self.latest: Evaluation = EMPTY
+        self._seq = 0
+
+    def tick(self, now: int | None = None) -> Evaluation:
+        t = self.tracker
+        now = t.clock() if now is None else now
+        t.expire_instances(now)
+        self._find_down(now)
+        frozen = {(inst.cluster, inst.name): ranks for inst in t.instances.values()
+                  if (ranks := t.frozen_ranks(inst, now))}
+        stuck, groups, thresholds, fresh = self._judge_legs(now, frozen)
+        flowing = {name: cl.last_ok_ns > 0 and now - cl.last_ok_ns <= t.flow_window_ns
+                   for name, cl in t.clusters.items()}
+        instances = tuple(self._instance(inst, now, frozen) for inst in t.instances.values())
+        gpus, gpu_up, reason, sampled_at = self._gpus(instances)
+        self._seq += 1
+        ev = Evaluation(
+            at_ns=now, seq=self._seq, stuck=stuck, groups=groups, thresholds=thresholds, flowing=flowing,
+            flow_window_s=t.flow_window_ns / 1e9, instances=instances, counters=self._counters(),
+            histogram=self.durations.snapshot() if self.durations is not None else EMPTY.histogram,
+            gpu_up=gpu_up, gpu_reason=reason, gpu_sampled_at=sampled_at, gpus=gpus, diagnosis=(),
+        )
+        verdicts, confidences = [], {}
+        for facts in gather(ev):
+            findings = classify(facts)
+            confidences[facts.cluster] = {f.family: round(f.confidence, 2) for f in findings}
+            verdicts.append(verdict(facts, findings))
+        ev = replace(ev, diagnosis=tuple(verdicts), confidences=confidences)
+        self.latest = ev
+        if fresh and self.on_stuck is not None:
+            family = {v["cluster"]: v["family"] for v in verdicts}
+            try:
+                self.on_stuck(fresh, family)
+            except Exception:  # a sink's bug must not stop the judge
+                log.exception("pd.stuck sink failed")
+        return ev
+
+    # ---- instances -------------------------------------------------------------------------
+
+    def _find_down(self, now: int) -> None:
+        """A rank that stopped heartbeating has ended, as far as its KV peers are concerned."""
+        t = self.tracker
+        for inst in t.instances.values():
+            for inc in inst.ranks.values():
+                if inc.last_heartbeat_ns and not inc.down_since_ns and not t.rank_up(inc, now):
+                    inc.down_since_ns = now
+                    t.gone_peers.add(inst.cluster, inc, inst.name, now)
+
+    def _instance(self, inst: Instance, now: int, frozen: dict) -> InstanceView:
+        t = self.tracker
+        owner = inst.owner
+        beats = [inc.last_heartbeat_ns for inc in inst.ranks.values() if inc.last_heartbeat_ns]
+        open_total = owner.open_total if owner is not None and owner.open_total is not None else \
+            sum(owner.open_counts.values()) if owner is not None else 0
+        return InstanceView(
+            cluster=inst.cluster, name=inst.name, role=inst.role, up=t.instance_up(inst, now),
+            loop_stalled=t.loop_stalled(inst, now), loop_frozen=(inst.cluster, inst.name) in frozen,
+            restarts=inst.restarts, restart_times_ns=tuple(inst.restart_times_ns),
+            start_ns=owner.start_ns if owner is not None and owner.start_ns else None,
+            heartbeat_age_s=(now - min(beats)) / 1e9 if beats else None,
+            open_counts=dict(owner.open_counts) if owner is not None else {},
+            open_total=open_total,
+            finished_ok_recent=inst.finished_ok_since(now - t.flow_window_ns),
+            ranks=tuple(self._rank(inc, now) for inc in sorted(inst.ranks.values(), key=lambda i: i.rank)),
+        )
+
+    def _rank(self, inc: Incarnation, now: int) -> Rank:
+        t = self.tracker
+        return Rank(
+            rank=inc.rank, incarnation=inc.id, pid=inc.pid, host=inc.host, start_ns=inc.start_ns,
+            heartbeat_seq=inc.seq,
+            heartbeat_age_s=(now - inc.last_heartbeat_ns) / 1e9 if inc.last_heartbeat_ns else None,
+            up=t.rank_up(inc, now), loop_iterations=inc.loop_iterations, loop_still_s=t.loop_frozen_for(inc),
+            loop_rule_s=t.loop_rule_s(inc, now), completed=inc.completed, failed=inc.failed,
+            tokens_generated=inc.tokens_generated, open_total=inc.open_total,
+            offset_s=round(inc.offset_ns() / 1e9, 3), gpu_uuids=inc.gpu_uuids, peer_ids=inc.peer_ids,
+            engine=dict(inc.extra),
+        )
+
+    # ---- legs ------------------------------------------------------------------------------
+
+    def _judge_legs(self, now: int, frozen: dict) -> tuple:
+        t = self.tracker
+        thresholds: dict[tuple[str, str, str], float] = {}
+        groups: dict[tuple[str, str, str, str], list] = {}
+        stuck: list[StuckLeg] = []
+        fresh: list[StuckLeg] = []
+        for leg in t.open.values():
+            stage = leg.stage
+            if stage is None or leg.stage_done:
+                leg.stuck_at_ns = None
+                continue
+            tkey = (leg.cluster, leg.role, stage)
+            thr = thresholds.get(tkey)
+            if thr is None:
+                thr = thresholds[tkey] = t.thresholds.threshold(tkey, now)
+            age = leg_age_s(leg, now)
+            gkey = (leg.cluster, leg.role, stage, leg.pd_instance)
+            group = groups.get(gkey)
+            if group is None:
+                group = groups[gkey] = [0, 0.0, {}]
+            if age > group[1]:
+                group[1] = age
+            if leg.evidence_stage != stage:
+                leg.evidence = leg.evidence_stage = None
+            if leg.evidence is None:
+                found = self._evidence(leg, stage, now, frozen)
+                if found is not None:
+                    leg.evidence, leg.evidence_why = found
+                    leg.evidence_stage = stage
+            reason = leg.evidence or (c.REASON_THRESHOLD if age > thr else None)
+            if reason is None:
+                leg.stuck_at_ns = None
+                continue
+            why = leg.evidence_why if leg.evidence else f"in {stage} for {age:.0f} s, past its threshold of {thr:.0f} s"
+            group[0] += 1
+            if reason != c.REASON_THRESHOLD:
+                group[2][reason] = group[2].get(reason, 0) + 1
+            first = leg.stuck_at_ns is None
+            if first:
+                leg.stuck_at_ns = now
+            view = self._stuck_view(leg, stage, age, thr, reason, why)
+            stuck.append(view)
+            if first and not leg.ever_stuck:
+                leg.ever_stuck = True
+                skey = (leg.cluster, leg.role, stage)
+                t.stuck_detected[skey] = t.stuck_detected.get(skey, 0) + 1
+                fresh.append(view)
+        for key in t.thresholds.keys():
+            if key not in thresholds:
+                thresholds[key] = t.thresholds.threshold(key, now)
+        for inst in t.instances.values():
+            for stage in c.STAGES[inst.role]:
+                tkey = (inst.cluster, inst.role, stage)
+                if tkey not in thresholds:
+                    thresholds[tkey] = t.thresholds.threshold(tkey, now)
+        stuck.sort(key=lambda s: -s.age_s)
+        out_groups = {k: Group(v[0], round(v[1], 3), v[2]) for k, v in groups.items()}
+        return tuple(stuck), out_groups, thresholds, fresh
+
+    def _evidence(self, leg: Leg, stage: str, now: int, frozen: dict) -> tuple[str, str] | None:
+        """(reason, the evidence in words) when the engines' reports prove the leg cannot progress."""
+        t = self.tracker
+        if leg.error is not None and leg.listed_seq > leg.error_seq:
+            return c.REASON_ENGINE_ERROR, f"the engine recorded {leg.error!r} and still lists the leg"
+        ranks = frozen.get((leg.cluster, leg.pd_instance))
+        if ranks:
+            inc = ranks[0]
+            return c.REASON_LOOP_FROZEN, (
+                f"{leg.pd_instance} rank {inc.rank}: its loop has not advanced for "
+                f"{t.loop_frozen_for(inc):.1f} s with legs open while it keeps heartbeating "
+                f"(rule {t.loop_rule_s(inc, now):.1f} s)")
+        if stage in _EVIDENCE_STAGES and leg.peer and len(t.gone_peers):
+            interval_ns = (leg.inc.interval_s if leg.inc is not None else c.DEFAULT_HEARTBEAT_S) * 1e9
+            offset = leg.inc.offset_ns() if leg.inc is not None else 0
+            for peer in leg.peer.split(","):
+                gone = t.gone_peers.get(leg.cluster, peer)
+                # The leg talked to that process (entered its stage before the end) and an
+                # inventory taken a heartbeat after the end still lists it.
+                if gone is not None and leg.stage_since_ns + offset < gone.ended_ns \
+                        and leg.listed_at_ns > gone.ended_ns + interval_ns:
+                    return c.REASON_PEER_GONE, (
+                        f"its peer {peer} was {gone.instance}'s process {gone.incarnation[:12]}, which ended "
+                        f"{(now - gone.ended_ns) / 1e9:.0f} s ago; the leg is still listed")
+        return None
+
+    @staticmethod
+    def _stuck_view(leg: Leg, stage: str, age: float, thr: float, reason: str, why: str) -> StuckLeg:
+        inc = leg.inc
+        return StuckLeg(
+            trace_id=leg.trace_id, rid=leg.rid, room=leg.room, cluster=leg.cluster, role=leg.role, stage=stage,
+            pd_instance=leg.pd_instance, peer=leg.peer, age_s=age, threshold_s=thr, reason=reason, why=why,
+            stage_since_ns=leg.stage_since_ns, stuck_since_ns=leg.stuck_at_ns or 0, span_id=leg.span_id,
+            offset_ns=inc.offset_ns() if inc is not None else 0, prompt_tokens=leg.prompt_tokens,
+            error=leg.error, incarnation=inc.id if inc is not None else None, arrive_ns=leg.arrive_ns,
+        )
+
+    # ---- GPUs and counters -------------------------------------------------------------------
+
+    def _gpus(self, instances: tuple[InstanceView, ...]) -> tuple[tuple[GpuView, ...], bool, str | None, float | None]:
+        if self.gpu is None:
+            return (), False, "no GPU sampler", None
+        snap = self.gpu.snapshot()
+        if not snap.up:
+            return (), False, snap.reason, snap.sampled_at
+        # What each engine process says it drives, freshest heartbeat first (the first claim wins).
+        ranks = sorted(((i, r) for i in instances for r in i.ranks), key=lambda p: p[1].heartbeat_age_s or 0.0)
+        claims = [InstanceClaim(Owner(i.cluster, i.role, i.name), r.gpu_uuids, (r.pid,) if r.pid else ())
+                  for i, r in ranks]
+        joined = tuple(GpuView(dev, owner, how) for dev, owner, how in self.owners.join(snap.devices, claims))
+        return joined, True, None, snap.sampled_at
+
+    def _counters(self) -> Counters:
+        t = self.tracker
+        refused = t.thresholds.keys_refused + (self.durations.refused if self.durations is not None else 0)
+        return Counters(
+            spans_received=t.spans_received, spans_foreign=t.spans_foreign, spans_rejected=dict(t.rejected),
+            duplicates=t.duplicates, heartbeats=t.heartbeats_received, tracked_legs=len(t.open),
+            tracked_instances=len(t.instances), evicted=dict(t.evicted), instances_expired=t.instances_expired,
+            finished=dict(t.finished), probes_finished=dict(t.probes_finished),
+            stuck_detected=dict(t.stuck_detected), label_sets_refused=refused, gone_peers=len(t.gone_peers),
+        )
+
+
+__all__ = ["Judge", "REPORT_AT"]

@@ -1,0 +1,103 @@
+"""Everything one running sidecar owns, wired once: settings, the tracker and its
+worker thread, the judge, the GPU sampler, the forwarder, the ingest guard and
+the metrics registry. The HTTP app (`app.py`) is a thin layer over this.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Iterator
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from . import forward
+from .diagnosis.collector import DiagnosisCollector
+from .evaluation import Evaluation
+from .gpu.collector import GpuCollector
+from .gpu.join import parse_gpu_map
+from .gpu.sampler import GpuSampler
+from .judge import Judge
+from .metrics import DurationCollector, EvaluationCollector, StageDurations
+from .otlp_body import parse_request
+from .overload import GuardCollector, IngestGuard
+from .settings import Settings
+from .spans import Decoded, decode
+from .tracker import Applied, Tracker
+from .worker import Worker
+
+
+class Sidecar:
+    def __init__(self, settings: Settings, *, clock: Callable[[], int] = time.time_ns,
+                 nvml_library: str | None = None, forward_options: dict[str, Any] | None = None):
+        self.settings = settings
+        self.durations = StageDurations()
+        self.tracker = Tracker(
+            settings.floors,
+            flow_window_s=settings.flow_window_s,
+            max_open_legs=settings.max_open_legs,
+            max_closed_legs=settings.max_closed_legs,
+            max_instances=settings.max_instances,
+            instance_ttl_s=settings.instance_ttl_s,
+            clock=clock,
+            on_stage_durations=self.durations.observe_many,
+        )
+        self.gpu = GpuSampler(settings.gpu_interval_s, settings.nvml, library=nvml_library)
+        self.forwarder = forward.from_settings(settings.forward_otlp_endpoint, **(forward_options or {}))
+        self.judge = Judge(self.tracker, durations=self.durations, gpu=self.gpu,
+                           gpu_map=parse_gpu_map(settings.gpu_map),
+                           on_stuck=self.forwarder.stuck if self.forwarder is not None else None)
+        self.worker = Worker(self.judge.tick, settings.evaluate_interval_s)
+        self.guard = IngestGuard(settings.max_rss_bytes)
+        self.registry = CollectorRegistry(auto_describe=False)
+        for collector in (EvaluationCollector(self.latest), DurationCollector(self.latest), GpuCollector(self.latest),
+                          DiagnosisCollector(self.latest), GuardCollector(self.guard), WorkerCollector(self.worker)):
+            self.registry.register(collector)
+        if self.forwarder is not None:
+            self.registry.register(forward.ForwardCollector(self.forwarder))
+
+    def latest(self) -> Evaluation:
+        """The judge's latest evaluation: one immutable object, read without a lock."""
+        return self.judge.latest
+
+    def start(self) -> None:
+        self.gpu.start()  # NVML is opened on the sampler's own thread
+        if self.forwarder is not None:
+            self.forwarder.start()
+        self.worker.start()
+
+    def stop(self) -> None:
+        self.worker.stop()
+        self.gpu.stop()
+        if self.forwarder is not None:
+            self.forwarder.stop()
+
+    def ingest(self, body: bytes, media: str) -> tuple[ExportTraceServiceRequest, Decoded, Applied]:
+        """Parse, decode and apply one OTLP body; runs on the worker (BodyError for a malformed body)."""
+        request = parse_request(body, media)
+        decoded = decode(request)
+        return request, decoded, self.tracker.apply(decoded)
+
+    def judge_now(self) -> Evaluation:
+        """Run the judge's tick at once, on its thread (tests, and the demo's final word)."""
+        self.worker.tick_now()
+        return self.latest()
+
+
+class WorkerCollector:
+    """The judge's own health: ticks, failed ticks, how long the latest took."""
+
+    def __init__(self, worker: Worker):
+        self.worker = worker
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        w = self.worker
+        yield CounterMetricFamily("pdwatch_judge_ticks", "Evaluations the judge made.", value=w.ticks)
+        yield CounterMetricFamily("pdwatch_judge_errors", "Judge ticks that raised (a pdwatch bug; see the log).",
+                                  value=w.tick_errors)
+        yield GaugeMetricFamily("pdwatch_judge_tick_seconds", "How long the latest judge tick took.",
+                                value=w.last_tick_s)
