@@ -189,6 +189,13 @@ def create_app(settings: Settings | None = None, *, clock: Callable[[], int] = t
     def summary(_: Auth) -> dict[str, Any]:
         return views.summary(sc.latest())
 
+    @app.get("/api/v1/history", summary="The last minutes of every instance: open legs, flow, stuck, GPUs")
+    def history(_: Auth, seconds: float = 600.0) -> dict[str, Any]:
+        if not 0 < seconds <= 86_400:
+            raise HTTPException(400, "seconds must be in (0, 86400]")
+        ev = sc.latest()
+        return {"at_unix_s": round(ev.at_ns / 1e9, 3), "instances": sc.history.view(seconds, ev.at_ns / 1e9)}
+
     @app.get(c.PATH_HEALTH, summary="Liveness")
     async def healthz() -> dict[str, Any]:
         ev = sc.latest()

@@ -22,6 +22,7 @@ from .diagnosis.from_evaluation import gather
 from .evaluation import EMPTY, Counters, Evaluation, GpuView, Group, InstanceView, Rank, StuckLeg
 from .gpu.join import InstanceClaim, Owner, OwnerMemory
 from .gpu.sampler import GpuSampler
+from .history import History
 from .metrics import StageDurations
 from .model import Incarnation, Instance, Leg, leg_age_s
 from .tracker import Tracker
@@ -40,12 +41,14 @@ class Judge:
         gpu: GpuSampler | None = None,
         gpu_map: dict[str, Owner] | None = None,
         on_stuck: Callable[[Sequence[StuckLeg], dict[str, str | None]], None] | None = None,
+        history: History | None = None,
     ):
         self.tracker = tracker
         self.durations = durations
         self.gpu = gpu
         self.owners = OwnerMemory(gpu_map or {})
         self.on_stuck = on_stuck
+        self.history = history
         self.latest: Evaluation = EMPTY
         self._seq = 0
 
@@ -75,6 +78,8 @@ class Judge:
             verdicts.append(verdict(facts, findings))
         ev = replace(ev, diagnosis=tuple(verdicts), confidences=confidences)
         self.latest = ev
+        if self.history is not None:
+            self.history.record(ev)
         if fresh and self.on_stuck is not None:
             family = {v["cluster"]: v["family"] for v in verdicts}
             try:

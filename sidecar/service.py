@@ -18,6 +18,7 @@ from .evaluation import Evaluation
 from .gpu.collector import GpuCollector
 from .gpu.join import parse_gpu_map
 from .gpu.sampler import GpuSampler
+from .history import History
 from .judge import Judge
 from .metrics import DurationCollector, EvaluationCollector, StageDurations
 from .otlp_body import parse_request
@@ -45,9 +46,11 @@ class Sidecar:
         )
         self.gpu = GpuSampler(settings.gpu_interval_s, settings.nvml, library=nvml_library)
         self.forwarder = forward.from_settings(settings.forward_otlp_endpoint, **(forward_options or {}))
+        self.history = History()
         self.judge = Judge(self.tracker, durations=self.durations, gpu=self.gpu,
                            gpu_map=parse_gpu_map(settings.gpu_map),
-                           on_stuck=self.forwarder.stuck if self.forwarder is not None else None)
+                           on_stuck=self.forwarder.stuck if self.forwarder is not None else None,
+                           history=self.history)
         self.worker = Worker(self.judge.tick, settings.evaluate_interval_s)
         self.guard = IngestGuard(settings.max_rss_bytes)
         self.registry = CollectorRegistry(auto_describe=False)
