@@ -20,10 +20,10 @@ import statistics
 import sys
 import time
 
-from pdwatch.testbed.sidecar_process import SidecarProcess
 from pdwatch.testbed import scenarios
 from pdwatch.testbed.diagnosis_run import run_scenario, sidecar_env
 from pdwatch.testbed.gpu_emulation import GpuEmulator
+from pdwatch.testbed.sidecar_process import SidecarProcess
 
 NONE = "-"
 

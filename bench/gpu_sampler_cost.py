@@ -16,19 +16,20 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+from prometheus_client import CollectorRegistry, generate_latest
+
+from pdwatch.sidecar.gpu.collector import GpuCollector
+from pdwatch.sidecar.gpu.join import parse_gpu_map
+from pdwatch.sidecar.gpu.sampler import GpuSampler
+from pdwatch.sidecar.judge import Judge
+from pdwatch.sidecar.tracker import Tracker
+from pdwatch.testbed.gpu_emulation import STATE_ENV, STUB_LIBRARY, GpuEmulator
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
-
-from pdwatch.sidecar.gpu.join import InstanceClaim, Owner  # noqa: E402
-from pdwatch.sidecar.gpu.sampler import GpuSampler  # noqa: E402
-from pdwatch.testbed.gpu_emulation import STATE_ENV, STUB_LIBRARY, GpuEmulator  # noqa: E402
 
 DEVICES = 8
 
@@ -73,10 +74,14 @@ def main() -> None:
         print(f"sampling pass, {DEVICES} GPUs:       {one_pass * 1e3:8.2f} ms  ({one_pass / bare:.0f} bare calls; "
               f"{one_pass / DEVICES * 1e6:.0f} us per GPU)")
 
-        claims = [InstanceClaim(Owner("default", "decode", f"decode-{i}"), (f"GPU-bench-{i}",), ()) for i in range(DEVICES)]
+        # The judge joins the pass to owners once per tick; a scrape only formats that.
+        owners = parse_gpu_map(",".join(f"{i}=decode/decode-{i}" for i in range(DEVICES)))
+        judge = Judge(Tracker(), gpu=sampler, gpu_map=owners)
+        join = per_call(judge.tick, 500)
         registry = CollectorRegistry()
-        registry.register(GpuCollector(sampler, lambda: claims, {}))
+        registry.register(GpuCollector(lambda: judge.latest))
         scrape = per_call(lambda: generate_latest(registry), 500)
+        print(f"judge tick with the GPU join, {DEVICES} GPUs: {join * 1e3:8.2f} ms")
         print(f"collector scrape, {DEVICES} GPUs:    {scrape * 1e3:8.2f} ms")
 
         alone = loop_rate(1.5)

@@ -26,12 +26,11 @@ import sys
 import time
 
 import httpx
+from ingest_rate import build_bodies  # same directory: run as a script
 from prometheus_client.parser import text_string_to_metric_families
 
-from ingest_rate import build_bodies  # same directory: run as a script
 from pdwatch import contract as c
 from pdwatch.testbed.sidecar_process import SidecarProcess
-
 
 RECEIVER = r"""
 import sys

@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-import socket
 import statistics
 import time
 
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
-from pdwatch.testbed.processes import free_port
 from pdwatch.engine_patches.recorder import Recorder, RecorderConfig
+from pdwatch.testbed.processes import free_port
 
 
 class NullExporter(SpanExporter):

@@ -31,8 +31,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pdwatch.engine_patches.recorder import Recorder, RecorderConfig  # noqa: E402
-from pdwatch.testbed.sidecar_process import SidecarProcess, free_port  # noqa: E402
+from pdwatch.engine_patches.recorder import Recorder, RecorderConfig
+from pdwatch.testbed.sidecar_process import SidecarProcess, free_port
 
 SLOW_SERVER = """
 import http.server, sys, time

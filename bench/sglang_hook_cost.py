@@ -1,4 +1,3 @@
-from pdwatch.testbed.processes import free_port
 """Added cost per hooked SGLang call on the scheduler thread, plugin off vs on, in one run.
 
 Loads pdwatch through SGLang's own `load_plugins()` (sglang 0.5.23, CPU), then
@@ -25,13 +24,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import socket
 import statistics
 import sys
 import time
 import types
 from array import array
 from types import SimpleNamespace
+
+from pdwatch.testbed.processes import free_port
 
 
 def per_call_ns(fn, n: int, repeat: int, reset=None) -> float:
@@ -53,8 +53,8 @@ def load_sglang_with_plugin():
         sys.modules.setdefault(name, types.ModuleType(name))
     os.environ["PDWATCH_SGLANG"] = "1"
     os.environ["SGLANG_PLUGINS"] = "pdwatch"
-    import sglang.srt.disaggregation.decode  # noqa: F401
-    import sglang.srt.disaggregation.prefill  # noqa: F401
+    import sglang.srt.disaggregation.decode
+    import sglang.srt.disaggregation.prefill
     import sglang.srt.managers.scheduler  # noqa: F401
     from sglang.srt.plugins import load_plugins
 

@@ -23,8 +23,8 @@ import random
 import statistics
 import time
 
-from pdwatch.testbed.sidecar_process import SidecarProcess
 from pdwatch.testbed.sglang_pd.stack import SglangStack
+from pdwatch.testbed.sidecar_process import SidecarProcess
 
 
 def one_request(port: int, ids: list[int], max_tokens: int) -> float:

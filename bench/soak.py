@@ -35,9 +35,9 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pdwatch import contract as c  # noqa: E402
-from pdwatch.testbed.sidecar_process import SidecarProcess  # noqa: E402
-from pdwatch.sidecar.overload import read_rss_bytes  # noqa: E402
+from pdwatch import contract as c
+from pdwatch.sidecar.overload import read_rss_bytes
+from pdwatch.testbed.sidecar_process import SidecarProcess
 
 PREFILL = ("bootstrap", "queued", "prefill", "transfer")
 

@@ -7,7 +7,16 @@ from grafana_foundation_sdk.builders import dashboard as db
 from grafana_foundation_sdk.builders import statetimeline
 from grafana_foundation_sdk.models import dashboard as dm
 
-from pdwatch.dashboards.common import BY_INSTANCE, BY_ROLE, CLUSTER, Panels, PrometheusAnnotation, dashboard, sel, variables
+from pdwatch.dashboards.common import (
+    BY_INSTANCE,
+    BY_ROLE,
+    CLUSTER,
+    Panels,
+    PrometheusAnnotation,
+    dashboard,
+    sel,
+    variables,
+)
 
 UID = "pdwatch-request-flow"
 RATE = "[$__rate_interval]"

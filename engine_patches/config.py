@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Mapping
 
 from pdwatch import contract as c
 
@@ -71,7 +71,7 @@ class RecorderConfig:
     pid: int = field(default_factory=os.getpid)
     host: str = field(default_factory=socket.gethostname)
 
-    def resolved(self, environ: Mapping[str, str] | None = None) -> "RecorderConfig":
+    def resolved(self, environ: Mapping[str, str] | None = None) -> RecorderConfig:
         env = os.environ if environ is None else environ
         if self.role not in c.ROLES:
             raise ValueError(f"role must be one of {', '.join(c.ROLES)}, not {self.role!r}")

@@ -113,7 +113,7 @@ class Recorder:
 
     # ---- worker thread ---------------------------------------------------
 
-    def start(self) -> "Recorder":
+    def start(self) -> Recorder:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="pdwatch-recorder", daemon=True)
             self._thread.start()

@@ -113,7 +113,7 @@ def render(detail: dict, width: int = 100, ascii_only: bool = False) -> str:
     bar_w = max(MIN_BAR_W, width - LABEL_W - NOTE_W - 2)
     out = [f"trace {tid}  {len(detail['legs'])} leg(s) over {t1 - t0:.3f} s"
            + ("  (open stages drawn to now)" if _now(detail) is not None else "")]
-    out.append(" " * LABEL_W + "|" + f"0 s".ljust(bar_w - 12) + f"{t1 - t0:10.3f} s"[-12:].rjust(12) + "|")
+    out.append(" " * LABEL_W + "|" + "0 s".ljust(bar_w - 12) + f"{t1 - t0:10.3f} s"[-12:].rjust(12) + "|")
     for row in all_rows:
         leg = detail["legs"][row.leg]
         if row.is_leg:
@@ -189,7 +189,7 @@ def jaeger_json(detail: dict, family: dict[str, str] | None = None) -> dict:
         if not leg.get("span_id"):
             leg_tags.append(_tag("pdwatch.synthetic_id", True))
 
-        def span(span_id, name, row_start, row_end, tags, parent=True):
+        def span(span_id, name, row_start, row_end, tags, parent=True, leg_id=leg_id, pid=pid):
             return {
                 "traceID": tid, "spanID": span_id, "operationName": name, "flags": 1,
                 "references": [{"refType": "CHILD_OF", "traceID": tid, "spanID": leg_id}] if parent else [],

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import re
 import time
-from typing import Annotated, Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
-from fastapi import Depends, FastAPI, HTTPException, Request, Response
+from fastapi import FastAPI, HTTPException, Request, Response
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
 from prometheus_client.exposition import choose_encoder
@@ -25,6 +25,7 @@ from prometheus_client.exposition import choose_encoder
 from pdwatch import contract as c
 
 from . import views
+from .auth import Auth
 from .otlp_body import PROTOBUF, BodyError, decompress, media_type, response_body
 from .overload import RETRY_AFTER_S
 from .service import Sidecar
@@ -54,22 +55,6 @@ INGEST_OPENAPI: dict[str, Any] = {
             (503, "sidecar memory over its limit; Retry-After"))},
     },
 }
-
-
-async def authorized(request: Request) -> None:
-    # async: a plain def dependency would hop to the thread pool on every request, ingest included.
-    token = request.app.state.sidecar.settings.token
-    if not token:
-        return
-    header = request.headers.get("authorization", "")
-    scheme, _, given = header.partition(" ")
-    # Constant-time compare, so response timing does not reveal the token.
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
-        raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
-
-
-# Ingest, the API, /ui and the API docs need the token when one is set; /metrics and /healthz stay open.
-Auth = Annotated[None, Depends(authorized)]
 
 
 async def _read_body(request: Request, limit: int) -> bytes:

@@ -24,9 +24,10 @@ import random
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
-from typing import Any, Sequence
+from typing import Any
 
 import httpx
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
@@ -228,7 +229,7 @@ class Forwarder:
         """Spans waiting: lifecycle spans (heartbeats included until the worker strips them) plus pd.stuck."""
         return self._queued_spans + len(self._stuck)
 
-    def start(self) -> "Forwarder":
+    def start(self) -> Forwarder:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="pdwatch-forward", daemon=True)
             self._thread.start()

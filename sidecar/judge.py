@@ -12,8 +12,8 @@ same tick diagnosed.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Callable, Sequence
 
 from pdwatch import contract as c
 

@@ -10,12 +10,14 @@ defaults, validation and docs cannot drift apart.
 from __future__ import annotations
 
 import argparse
-from typing import Any, Literal, Mapping
+from collections.abc import Mapping
+from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pdwatch import contract as c
+
 
 def _floor(stage: str) -> Any:
     return Field(c.DEFAULT_FLOORS_S[stage], gt=0, allow_inf_nan=False,
@@ -71,8 +73,7 @@ class Settings(BaseSettings):
         return {stage: float(getattr(self, f"floor_{stage}_s")) for stage in c.ALL_STAGES}
 
     def __repr_args__(self) -> Any:  # the token must never reach a log line
-        for name, value in super().__repr_args__():
-            yield name, value
+        yield from super().__repr_args__()
         yield "token", "<set>" if self.token else None
 
     @classmethod

@@ -392,7 +392,7 @@ def _heartbeat(span: Span, role: str) -> HeartbeatRecord:
         if is_int(value) and value >= 0:
             counts[stage] = value
     extra = {k: v for k, v in attrs.items()
-             if (k.startswith(c.H_RECORDER_PREFIX) or k.startswith(c.H_ENGINE_PREFIX)) and finite(v)}
+             if k.startswith((c.H_RECORDER_PREFIX, c.H_ENGINE_PREFIX)) and finite(v)}
     return HeartbeatRecord(
         start_ns=span.start_time_unix_nano, end_ns=span.end_time_unix_nano, seq=seq,
         interval_s=float(interval) if finite(interval) and 0 < interval <= 3600 else None,

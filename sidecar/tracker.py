@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 from pdwatch import contract as c
 

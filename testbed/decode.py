@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pdwatch.engine_patches import recorder as pdrec
 from pdwatch import contract as c
+from pdwatch.engine_patches import recorder as pdrec
 
 from . import kv
 from .engine_status import StatusWriter

@@ -30,7 +30,7 @@ class StatusWriter:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-status", daemon=True)
 
-    def start(self) -> "StatusWriter":
+    def start(self) -> StatusWriter:
         if self.path is not None:
             self._thread.start()
         return self

@@ -74,7 +74,7 @@ class GpuEmulator:
         self._write()
 
     @classmethod
-    def for_demo(cls, directory: str | os.PathLike[str] | None = None, count: int = 8) -> "GpuEmulator":
+    def for_demo(cls, directory: str | os.PathLike[str] | None = None, count: int = 8) -> GpuEmulator:
         """`count` emulated H200s for a testbed stack (`Stack(gpus=...)` claims one per engine process).
 
         The state file goes under `directory`, or a temporary directory removed

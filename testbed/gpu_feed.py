@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from .engine_status import read_status
 from .gpu_emulation import GpuEmulator
@@ -44,7 +44,7 @@ class GpuFeed:
     def add(self, feed: Feed) -> None:
         self.feeds.append(feed)
 
-    def start(self) -> "GpuFeed":
+    def start(self) -> GpuFeed:
         self.tick()
         self._thread.start()
         return self

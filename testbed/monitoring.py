@@ -22,9 +22,8 @@ from pathlib import Path
 import httpx
 import yaml
 
-from pdwatch.testbed.sidecar_process import free_port
-
 from pdwatch import alerts
+from pdwatch.testbed.sidecar_process import free_port
 
 RULES = Path(alerts.__file__).resolve().parent / "pdwatch-alerts.yml"
 AM_CONFIG = RULES.with_name("alertmanager.example.yml")
@@ -43,7 +42,7 @@ class WebhookRecorder:
         recorder = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802 (http.server's naming)
+            def do_POST(self):
                 length = int(self.headers.get("content-length") or 0)
                 body = self.rfile.read(min(length, 1 << 20))
                 try:
@@ -62,7 +61,7 @@ class WebhookRecorder:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
-    def start(self) -> "WebhookRecorder":
+    def start(self) -> WebhookRecorder:
         self.thread.start()
         return self
 
@@ -131,7 +130,7 @@ class Monitoring:
             "scrape_configs": [{"job_name": "pdwatch", "static_configs": [{"targets": self.sidecars}]}],
         }
 
-    def start(self, timeout_s: float = 30.0) -> "Monitoring":
+    def start(self, timeout_s: float = 30.0) -> Monitoring:
         self.webhook.start()
         (self.dir / "alertmanager.yml").write_text(yaml.safe_dump(self._alertmanager_config()))
         (self.dir / "prometheus.yml").write_text(yaml.safe_dump(self._prometheus_config()))
@@ -213,7 +212,7 @@ class Monitoring:
         if self._tmp is not None:
             self._tmp.cleanup()
 
-    def __enter__(self) -> "Monitoring":
+    def __enter__(self) -> Monitoring:
         try:
             return self.start()
         except BaseException:

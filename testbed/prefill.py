@@ -24,8 +24,8 @@ import uuid
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from pdwatch.engine_patches import recorder as pdrec
 from pdwatch import contract as c
+from pdwatch.engine_patches import recorder as pdrec
 
 from . import kv
 from .engine_status import StatusWriter

@@ -26,7 +26,7 @@ class SidecarProcess:
         self.proc: subprocess.Popen | None = None
         self.client = httpx.Client(base_url=self.url, timeout=5.0)
 
-    def start(self, timeout_s: float = 30.0) -> "SidecarProcess":
+    def start(self, timeout_s: float = 30.0) -> SidecarProcess:
         cmd = [sys.executable, "-m", "pdwatch.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port)]
         self.proc = subprocess.Popen(cmd + self._args, env=self._env, stdin=subprocess.DEVNULL)
         atexit.register(self.stop)  # a caller that dies on an exception must not leave the sidecar running
@@ -58,7 +58,7 @@ class SidecarProcess:
                 self.proc.kill()
                 self.proc.wait(5)
 
-    def __enter__(self) -> "SidecarProcess":
+    def __enter__(self) -> SidecarProcess:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -31,7 +31,7 @@ from .wire import Conn
 
 log = logging.getLogger("pdwatch.testbed.stack")
 
-_live_stacks: "weakref.WeakSet[Stack]" = weakref.WeakSet()
+_live_stacks: weakref.WeakSet[Stack] = weakref.WeakSet()
 
 
 @atexit.register
@@ -227,7 +227,7 @@ class Stack(StackBase):
             args += ["--tp-size", str(self.tp[instance]), "--tp-port", str(self._tp_ports[instance])]
         return args
 
-    def start(self) -> "Stack":
+    def start(self) -> Stack:
         if self.started_at is not None:
             raise RuntimeError("Stack.start() was already called")
         _live_stacks.add(self)

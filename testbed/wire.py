@@ -53,7 +53,7 @@ class Conn:
         self._send_lock = threading.Lock()
 
     @classmethod
-    def connect(cls, port: int, timeout_s: float = 5.0) -> "Conn":
+    def connect(cls, port: int, timeout_s: float = 5.0) -> Conn:
         sock = socket.create_connection((HOST, port), timeout=timeout_s)
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

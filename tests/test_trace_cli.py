@@ -12,10 +12,10 @@ import httpx
 import pytest
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-from pdwatch.engine_patches.recorder import Recorder, RecorderConfig
 from pdwatch import contract as c
 from pdwatch import trace
 from pdwatch.cli import main
+from pdwatch.engine_patches.recorder import Recorder, RecorderConfig
 from pdwatch.testbed.sidecar_process import SidecarProcess
 from tests.support.waiting import wait_for
 

@@ -10,8 +10,8 @@ otherwise it stays unclaimed and its metrics carry empty owner labels.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 from pdwatch.contract import ROLES
 

@@ -19,8 +19,9 @@ import ctypes
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 log = logging.getLogger("pdwatch.gpu")
 
@@ -93,7 +94,7 @@ class GpuSampler:
 
     # ---- lifecycle ---------------------------------------------------------
 
-    def start(self) -> "GpuSampler":
+    def start(self) -> GpuSampler:
         """Samples on a daemon thread; NVML is initialized there, never in the caller."""
         if self._mode == "off" or self._thread is not None:
             return self

@@ -15,8 +15,8 @@ import json
 import logging
 import random
 import threading
-from dataclasses import replace
 import time
+from dataclasses import replace
 
 from pdwatch import contract as c
 

@@ -33,7 +33,7 @@ from .client import RouterClient
 from .model import write_model
 from .servers import BASE_ENV, ServerPorts, SglangRouter, SglangServer
 
-_live: "weakref.WeakSet[SglangStack]" = weakref.WeakSet()
+_live: weakref.WeakSet[SglangStack] = weakref.WeakSet()
 
 
 @atexit.register
@@ -132,7 +132,7 @@ class SglangStack(StackBase):
         self.servers[instance] = self.engines[instance] = server
         return server
 
-    def start(self) -> "SglangStack":
+    def start(self) -> SglangStack:
         if self.started_at is not None:
             raise RuntimeError("SglangStack.start() was already called")
         _live.add(self)

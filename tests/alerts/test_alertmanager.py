@@ -4,15 +4,15 @@ severity, and a real Alertmanager applies its inhibitions."""
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import httpx
-from pdwatch.testbed.processes import free_port as _free_port
 import pytest
+
+from pdwatch.testbed.processes import free_port as _free_port
 
 CONFIG = Path(__file__).resolve().parents[2] / "alerts" / "alertmanager.example.yml"
 

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from pdwatch.alerts import generate as gen
+
 ROOT = Path(__file__).resolve().parents[2]
 ALERTS_DIR = ROOT / "alerts"
-
-
-from pdwatch.alerts import generate as gen
 
 RULE_FILE = ALERTS_DIR / "pdwatch-alerts.yml"
 TEST_FILES = sorted((ALERTS_DIR / "tests").glob("*.test.yml"))

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from pdwatch.dashboards import common, render
 from pdwatch import cli
+from pdwatch.dashboards import common, render
 
 DOCS = render.load()
 FLOW, STUCK, SELF = DOCS["pd-request-flow.json"], DOCS["stuck-requests.json"], DOCS["pdwatch-self.json"]

@@ -7,9 +7,9 @@ import socket
 
 import pytest
 
+from pdwatch import cli
 from pdwatch.dashboards import render
 from pdwatch.dashboards.push import PushError, push
-from pdwatch import cli
 
 # The `grafana` fixture (conftest.py) requires this token.
 TOKEN = "glsa_test_token"

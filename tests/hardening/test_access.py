@@ -14,9 +14,9 @@ import pytest
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
 from pdwatch.engine_patches.recorder import Recorder, RecorderConfig
-from pdwatch.testbed.sidecar_process import free_port
 from pdwatch.sidecar.server import build_parser
 from pdwatch.sidecar.settings import Settings
+from pdwatch.testbed.sidecar_process import free_port
 
 TOKEN = "s3cret-Tok3n-for-tests-only"
 API = ["/api/v1/stuck", "/api/v1/summary", "/api/v1/diagnosis", f"/api/v1/requests/{'ab' * 16}"]

@@ -50,8 +50,8 @@ def incident(clock, engines, rounds: int = 6):
 def facts(t: Tracker, now: int):
     """What the sidecar says about the incident: open legs with stage and entry, outcomes, stuck legs and ages."""
     ev = evaluate(t, now)
-    open_legs = {k: (l.stage, l.stage_since_ns, l.rid, l.room) for k, l in t.open.items()}
-    outcomes = {k: l.outcome for k, l in t.closed.items() if l.outcome is not None}
+    open_legs = {k: (x.stage, x.stage_since_ns, x.rid, x.room) for k, x in t.open.items()}
+    outcomes = {k: x.outcome for k, x in t.closed.items() if x.outcome is not None}
     stuck = {(s.trace_id, s.role): round(s.age_s, 6) for s in ev.stuck}
     return open_legs, outcomes, stuck, dict(t.finished), dict(t.stuck_detected)
 

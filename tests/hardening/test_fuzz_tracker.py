@@ -7,12 +7,13 @@ no exception, the invariants hold, and replaying the request changes nothing.
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from pdwatch import contract as c
-from pdwatch.sidecar.otlp_body import PROTOBUF, parse_request
 from pdwatch.sidecar.model import stage_history
+from pdwatch.sidecar.otlp_body import PROTOBUF, parse_request
 from pdwatch.sidecar.tracker import Tracker
 from tests.support.tracking import ingest
 
@@ -105,9 +106,9 @@ def requests(draw) -> ExportTraceServiceRequest:
 
 def snapshot(t: Tracker):
     """Every fact the tracker would report, without the counters that count the replay itself."""
-    legs = {k: (l.stage, l.stage_since_ns, l.progress_ns, l.tokens, l.rid, l.room, l.peer, l.stage_done,
-                len(stage_history(l)), l.inc.id if l.inc else None) for k, l in t.open.items()}
-    closed = {k: (l.outcome, l.end_ns, len(stage_history(l))) for k, l in t.closed.items()}
+    legs = {k: (x.stage, x.stage_since_ns, x.progress_ns, x.tokens, x.rid, x.room, x.peer, x.stage_done,
+                len(stage_history(x)), x.inc.id if x.inc else None) for k, x in t.open.items()}
+    closed = {k: (x.outcome, x.end_ns, len(stage_history(x))) for k, x in t.closed.items()}
     ranks = {k: {r: (inc.id, inc.seq, tuple(inc.offsets)) for r, inc in i.ranks.items()} for k, i in t.instances.items()}
     return legs, closed, ranks, dict(t.finished), {k: len(v) for k, v in t.thresholds._samples.items()}
 

@@ -31,9 +31,8 @@ def metric_names(expr: str) -> set[str]:
 
 @pytest.fixture(scope="module")
 def incident():
-    from pdwatch.testbed.stack import Stack
-
     from pdwatch.testbed.gpu_emulation import GpuEmulator
+    from pdwatch.testbed.stack import Stack
 
     # Emulated GPUs behind the NVML stub, so the GPU panels and rules have data too.
     gpus = GpuEmulator.for_demo(count=12)

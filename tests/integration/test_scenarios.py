@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import pytest
 
-from pdwatch.testbed.sidecar_process import SidecarProcess
 from pdwatch.testbed import scenarios
 from pdwatch.testbed.diagnosis_run import FLOORS_S, FLOW_WINDOW_S, HEARTBEAT_S, run_scenario, sidecar_env
 from pdwatch.testbed.gpu_emulation import STUB_LIBRARY, GpuEmulator
+from pdwatch.testbed.sidecar_process import SidecarProcess
 
 pytestmark = [
     pytest.mark.integration,

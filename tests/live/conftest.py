@@ -100,7 +100,7 @@ class Poller:
             self.run.polls.append({"t": time.time(), "stuck": stuck, "diagnosis": diagnosis})
             self.run.events.extend(self.run.stack.poll_events())
 
-    def __enter__(self) -> "Poller":
+    def __enter__(self) -> Poller:
         self._thread.start()
         return self
 

@@ -4,7 +4,6 @@ encoded with the real OTLP encoder, fed to the tracker under one fake clock."""
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 
@@ -12,9 +11,9 @@ import pytest
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from pdwatch.testbed.processes import free_port
 from pdwatch.engine_patches.recorder import Recorder, RecorderConfig
 from pdwatch.sidecar.tracker import Tracker
+from pdwatch.testbed.processes import free_port
 from tests.support.tracking import ingest
 
 T0 = 1_800_000_000_000_000_000

@@ -11,8 +11,8 @@ from opentelemetry.exporter.otlp.proto.http import Compression
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
-from pdwatch.engine_patches.recorder import Recorder, RecorderConfig
 from pdwatch import contract as c
+from pdwatch.engine_patches.recorder import Recorder, RecorderConfig
 from tests.support.waiting import wait_for
 
 CONTRACT_METRICS = [

@@ -15,9 +15,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Status
 
 from pdwatch import contract as c
 from pdwatch.sidecar.forward import SERVICE_NAME, retry_after_s, traces_url
-
 from tests.support.otlp_receiver import OtlpReceiver
-
 from tests.support.waiting import wait_for
 
 from .conftest import free_port

@@ -47,7 +47,7 @@ class OtlpReceiver:
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802 (http.server's naming)
+            def do_POST(self):
                 body = self.rfile.read(int(self.headers.get("content-length") or 0))
                 with outer.lock:
                     outer.posts.append((time.monotonic(), body))
@@ -120,7 +120,7 @@ class OtlpReceiver:
         self.server.shutdown()
         self.server.server_close()
 
-    def __enter__(self) -> "OtlpReceiver":
+    def __enter__(self) -> OtlpReceiver:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -18,8 +18,6 @@ from pdwatch.testbed.tp import ACK, STEP_BUSY, TpLeader
 from tests.support.nvml_state import state_devices
 
 
-
-
 def _emulator(tmp_path, n=3) -> GpuEmulator:
     return GpuEmulator(tmp_path / "state", [{"index": i, "uuid": f"GPU-{i:04d}"} for i in range(n)])
 

@@ -4,7 +4,6 @@ telemetry received by a tiny OTLP/HTTP receiver started here."""
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 
@@ -12,7 +11,6 @@ from pdwatch import contract as c
 from pdwatch.testbed.engine import BYTES_PER_TOKEN
 from pdwatch.testbed.processes import EngineStartError
 from pdwatch.testbed.stack import Stack
-
 from tests.support.otlp_receiver import OtlpReceiver
 from tests.support.waiting import wait_for
 
@@ -20,7 +18,7 @@ pytestmark = pytest.mark.integration
 
 
 def assert_no_process_left(pids):
-    for name, pid in pids.items():
+    for pid in pids.values():
         assert pid is not None
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)  # reaped: no such process

@@ -11,7 +11,6 @@ import pytest
 from pdwatch import contract as c
 from pdwatch.testbed.gpu_emulation import GpuEmulator
 from pdwatch.testbed.stack import Stack
-
 from tests.support.nvml_state import state_devices
 from tests.support.otlp_receiver import OtlpReceiver
 from tests.support.waiting import wait_for

@@ -26,16 +26,15 @@ def sglang_plugin():
     pytest.importorskip("sglang", reason="make test installs requirements-sglang.txt")
     import os
 
+    # The modules the hooks patch, imported once for the whole session.
+    import sglang.srt.disaggregation.decode
+    import sglang.srt.disaggregation.nixl.conn
+    import sglang.srt.disaggregation.prefill
+    import sglang.srt.managers.scheduler  # noqa: F401
     import sglang.srt.plugins as plugins
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     import pdwatch.engine_patches.sglang as pd_plugin
-
-    # The modules the hooks patch, imported once for the whole session.
-    import sglang.srt.disaggregation.decode  # noqa: F401
-    import sglang.srt.disaggregation.nixl.conn  # noqa: F401
-    import sglang.srt.disaggregation.prefill  # noqa: F401
-    import sglang.srt.managers.scheduler  # noqa: F401
 
     old_env = {k: os.environ.get(k) for k in ("PDWATCH_SGLANG", "SGLANG_PLUGINS")}
     os.environ["PDWATCH_SGLANG"] = "1"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import inspect
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -37,7 +37,7 @@ OBJECT_MODULES = (
 )
 
 
-@lru_cache(maxsize=None)
+@cache
 def sglang_root() -> Path:
     spec = importlib.util.find_spec("sglang")  # locates the package without importing it
     if spec is None or spec.origin is None:
@@ -45,7 +45,7 @@ def sglang_root() -> Path:
     return Path(spec.origin).parent.parent
 
 
-@lru_cache(maxsize=None)
+@cache
 def parsed(module: str) -> ast.Module:
     path = sglang_root() / (module.replace(".", "/") + ".py")
     assert path.is_file(), f"module {module} is missing from the installed SGLang ({path.name})"
@@ -64,7 +64,7 @@ def _imported_from(module: str, name: str) -> str | None:
     return None
 
 
-@lru_cache(maxsize=None)
+@cache
 def find_class(name: str, module: str | None = None) -> tuple[str, ast.ClassDef] | None:
     """(module, class node) for a class name, in `module` or its imports, else in OBJECT_MODULES."""
     for mod in (module,) if module else OBJECT_MODULES:
@@ -81,7 +81,7 @@ def find_class(name: str, module: str | None = None) -> tuple[str, ast.ClassDef]
     return None
 
 
-@lru_cache(maxsize=None)
+@cache
 def class_attributes(name: str, module: str | None = None) -> frozenset[str]:
     """Fields, class attributes, methods and `self.x = ...` names of a class and its SGLang bases."""
     found = find_class(name, module)

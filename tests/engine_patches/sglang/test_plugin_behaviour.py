@@ -29,7 +29,6 @@ with the real SGLang objects SGLang would pass it.
 
 from __future__ import annotations
 
-import socket
 import threading
 from array import array
 from types import SimpleNamespace
@@ -38,11 +37,11 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
-from pdwatch.testbed.processes import free_port as _free_port
 from pdwatch.engine_patches.recorder import Recorder, RecorderConfig
 from pdwatch.engine_patches.sglang import hooks
 from pdwatch.engine_patches.sglang.state import state
 from pdwatch.engine_patches.sglang.targets import TARGETS
+from pdwatch.testbed.processes import free_port as _free_port
 
 ROOM = 9_001
 
@@ -395,9 +394,10 @@ def test_a_raising_hook_never_reaches_the_scheduler(sglang_plugin, gloo):
 
 
 def test_missing_target_disables_the_plugin_and_registers_nothing(sglang_plugin, monkeypatch, caplog):
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
     import pdwatch.engine_patches.sglang as pd_plugin
     from pdwatch.engine_patches.sglang import targets
-    from sglang.srt.plugins.hook_registry import HookRegistry
 
     ghost = targets.Target("sglang.srt.managers.scheduler.Scheduler.no_such_method", "after",
                            "on_abort_request", "a target from another SGLang version", ("self",))
@@ -447,8 +447,9 @@ def test_unified_leg_queued_prefill_decode(sglang_plugin):
 
 
 def test_off_unless_enabled(sglang_plugin, monkeypatch):
-    import pdwatch.engine_patches.sglang as pd_plugin
     from sglang.srt.plugins.hook_registry import HookRegistry
+
+    import pdwatch.engine_patches.sglang as pd_plugin
 
     monkeypatch.delenv("PDWATCH_SGLANG", raising=False)
     before = {k: list(v) for k, v in HookRegistry._hooks.items()}

@@ -103,7 +103,7 @@ def test_device_errors_are_series_of_their_own(gpus, make_sampler, world):
     sampler.sample_once()
     metrics = judged(*collector(sampler, "1=decode/decode-0"))
 
-    errors = sorted((l["gpu"], l["query"], l["error"], l["pd_instance"]) for l, v in metrics["pdwatch_gpu_device_errors"] if v == 1.0)
+    errors = sorted((x["gpu"], x["query"], x["error"], x["pd_instance"]) for x, v in metrics["pdwatch_gpu_device_errors"] if v == 1.0)
     assert errors == [("1", "handle", "gpu_is_lost", "decode-0"), ("2", "power", "not_supported", "")]
     assert set(by_gpu(metrics["pdwatch_gpu_utilization_ratio"])) == {"0", "2"}
     assert set(by_gpu(metrics["pdwatch_gpu_power_watts"])) == {"0"}

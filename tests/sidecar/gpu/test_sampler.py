@@ -6,13 +6,11 @@ import json
 import os
 import subprocess
 import sys
-import time
 from ctypes.util import find_library
 
 import pytest
 
 from pdwatch.sidecar.gpu.sampler import GpuSampler
-
 from tests.support.waiting import wait_for
 
 from .conftest import DRIVER, REPO, UUIDS

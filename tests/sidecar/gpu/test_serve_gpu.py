@@ -5,19 +5,16 @@ real recorders send heartbeats: by UUID, by PID, by configuration."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdwatch.testbed.processes import free_port
 from pdwatch.engine_patches.recorder import Recorder, RecorderConfig
-
+from pdwatch.testbed.processes import free_port
 from tests.support.waiting import wait_for
 
 from .conftest import DRIVER, REPO, UUIDS
@@ -89,7 +86,7 @@ def test_sidecar_samples_and_joins_emulated_gpus(gpus, sidecar):
     def joined():
         series = gpu_series(url)
         info = series.get("pdwatch_gpu_info", {})
-        return series if {g: l["joined_by"] for g, (l, _) in info.items()} == {"0": "uuid", "1": "pid", "2": "config"} else None
+        return series if {g: x["joined_by"] for g, (x, _) in info.items()} == {"0": "uuid", "1": "pid", "2": "config"} else None
 
     series = wait_for_up(joined)
     assert series, gpu_series(url)
