@@ -53,6 +53,11 @@ class RecorderConfig:
     tp_rank: int = 0
     tp_size: int = 1
     gpu_uuids: tuple[str, ...] = ()
+    # The names under which PD peers know this process (its KV agent names, its
+    # bootstrap address host:port): pd.peer_ids, what the sidecar's peer_gone rule matches.
+    peer_ids: tuple[str, ...] = ()
+    # host:port the engine serves on: the stable default pd.instance (never a PID).
+    server_address: str | None = None
     # Only the rank that owns request bookkeeping sends lifecycle spans and
     # the open-leg inventory; None means "rank 0 does".
     owns_requests: bool | None = None
@@ -79,7 +84,7 @@ class RecorderConfig:
         return replace(
             self,
             cluster=self.cluster or env.get("PDWATCH_CLUSTER") or "default",
-            instance=self.instance or env.get("PDWATCH_INSTANCE") or f"{self.host}:{self.pid}",
+            instance=self.instance or env.get(c.ENV_INSTANCE) or self.server_address or f"{self.host}:{self.role}",
             owns_requests=(self.tp_rank == 0) if self.owns_requests is None else self.owns_requests,
             heartbeat_s=self.heartbeat_s or _env_float(env, "PDWATCH_HEARTBEAT_S", c.DEFAULT_HEARTBEAT_S),
             inventory_max=self.inventory_max

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 from pdwatch import contract as c
 
+MAX_ERROR = 256  # characters of an error kept per leg: enough to read, bounded
+
 
 @dataclass(slots=True)
 class Leg:
@@ -31,6 +33,7 @@ class Leg:
     tokens: int = 0
     last_token_ns: int = 0
     probe: bool = False  # the engine's own warm-up or health check
+    error: str = ""  # the latest error the engine recorded for the leg without ending it
 
 
 @dataclass(slots=True)
@@ -132,6 +135,11 @@ class LegTable:
         if peer:
             leg.peer = str(peer)
 
+    def error(self, rid: str, text) -> None:
+        leg = self.open.get(rid)
+        if leg is not None:
+            leg.error = str(text)[:MAX_ERROR]
+
     def token(self, rid: str, ts: int, n: int) -> None:
         leg = self.open.get(rid)
         self.tokens_generated += n
@@ -183,6 +191,7 @@ class LegTable:
         attrs[c.H_OPEN_ROOMS] = [-1 if leg.room is None else leg.room for leg in listed]
         attrs[c.H_OPEN_PEERS] = [leg.peer or "" for leg in listed]
         attrs[c.H_OPEN_LAST_TOKEN] = [leg.last_token_ns for leg in listed]
+        attrs[c.H_OPEN_ERRORS] = [leg.error for leg in listed]
         attrs[c.H_OPEN_PROMPT_TOKENS] = [leg.prompt_tokens for leg in listed]
         attrs[c.H_OPEN_PROBES] = [leg.probe for leg in listed]
         return attrs

@@ -91,6 +91,8 @@ def build_resource(cfg: RecorderConfig, instance_id: str, start_ns: int) -> Reso
     }
     if cfg.gpu_uuids:
         attrs[c.R_GPU_UUIDS] = list(cfg.gpu_uuids)
+    if cfg.peer_ids:
+        attrs[c.R_PEER_IDS] = list(cfg.peer_ids)
     # Resource.create would merge in OTEL_RESOURCE_ATTRIBUTES and SDK defaults;
     # the contract's attributes must win, so they are given last.
     return Resource.create(attrs)

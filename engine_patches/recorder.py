@@ -29,7 +29,7 @@ from .otel_export import SpanSink, build_resource
 log = logging.getLogger("pdwatch.recorder")
 
 # Record kinds in the hot-path buffer.
-_ARRIVE, _ENTER, _XFER, _TOKEN, _FINISH, _COUNTER = range(6)
+_ARRIVE, _ENTER, _XFER, _TOKEN, _FINISH, _COUNTER, _ERROR = range(7)
 
 __all__ = ["Recorder", "RecorderConfig"]
 
@@ -86,6 +86,13 @@ class Recorder:
     def transfer_info(self, rid, *, nbytes=None, backend=None, peer=None) -> None:
         try:
             self._put((_XFER, rid, self._clock(), (nbytes, backend, peer)))
+        except Exception:
+            self.hook_errors += 1
+
+    def leg_error(self, rid, text) -> None:
+        """An error the engine met for an open leg without ending it (a KV write it only logged, say)."""
+        try:
+            self._put((_ERROR, rid, 0, text))
         except Exception:
             self.hook_errors += 1
 
@@ -155,6 +162,9 @@ class Recorder:
                         done = legs.finish(rid, ts, *arg)
                     elif kind == _XFER:
                         legs.transfer_info(rid, ts, *arg)
+                        continue
+                    elif kind == _ERROR:
+                        legs.error(rid, arg)
                         continue
                     else:
                         self._engine_counters[rid] = self._engine_counters.get(rid, 0) + arg

@@ -107,11 +107,15 @@ class DecodeEngine:
         self.args = args
         if not args.prefill_bootstrap_port:
             raise SystemExit("decode needs --prefill-bootstrap-port")
-        self.rec = pdrec.from_env("decode", service_name=args.service_name, engine_version="testbed",
-                                  tp_size=args.tp_size, gpu_uuids=tuple(args.gpu_uuid or ()))
-        self.status = StatusWriter(args.status_file)
         # A new agent name on every start, like a restarted SGLang decode.
         self.agent_name = f"{args.instance}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.api = LineServer(args.api_port, self._on_api)
+        self.endpoint = f"127.0.0.1:{self.api.port}"
+        self.prefill_address = f"127.0.0.1:{args.prefill_bootstrap_port}"
+        self.rec = pdrec.from_env("decode", service_name=args.service_name, engine_version="testbed",
+                                  tp_size=args.tp_size, gpu_uuids=tuple(args.gpu_uuid or ()),
+                                  peer_ids=(self.agent_name, self.endpoint))
+        self.status = StatusWriter(args.status_file)
         self.agent = kv.make_agent(self.agent_name)
         self.pool = kv.SlotPool(self.agent, args.slots, args.slot_bytes)
         # After registering: the metadata carries the registrations the prefill writes into.
@@ -135,8 +139,6 @@ class DecodeEngine:
         # Fault `kv_leak`: finished requests no longer return their KV slot, so the pool drains.
         self.kv_leak = False
         self.leaked_slots = 0
-        self.api = LineServer(args.api_port, self._on_api)
-        self.endpoint = f"127.0.0.1:{self.api.port}"
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
 
     # ---- server thread ---------------------------------------------------
@@ -201,7 +203,7 @@ class DecodeEngine:
                             conn=conn)
             req.nbytes = min(max(1, req.prompt_tokens) * self.args.bytes_per_token, self.args.slot_bytes)
             self.rec.arrive(req.rid, bootstrap_room=req.room, traceparent=req.traceparent,
-                            prompt_tokens=req.prompt_tokens, peer=msg.get("prefill") or "prefill-0")
+                            prompt_tokens=req.prompt_tokens, peer=self.prefill_address)
             self.rec.enter(req.rid, BOOTSTRAP)
             self.prealloc.append(req)
         return busy
@@ -286,7 +288,7 @@ class DecodeEngine:
             return
         self.kv_bytes_checked += req.nbytes
         self.rec.counter("kv_bytes_checked", req.nbytes)
-        self.rec.transfer_info(req.rid, nbytes=req.nbytes, backend="nixl", peer="prefill-0")
+        self.rec.transfer_info(req.rid, nbytes=req.nbytes, backend="nixl", peer=self.prefill_address)
         self.rec.enter(req.rid, QUEUED)
         self.waiting.append(req)
 

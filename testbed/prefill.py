@@ -123,6 +123,8 @@ class KVSender:
         # status stays TRANSFERRING, so the scheduler keeps the leg in transfer.
         self.errors += 1
         self.rec.counter("kv_transfer_errors")
+        # Said to pdwatch too, as an error of the open leg: it stays open, which is the point.
+        self.rec.leg_error(req.rid, f"KV write failed at {what}: {err}")
         log.error("KV transfer of room %d (%s) to %s failed at %s: %s",
                   req.room, req.rid, req.reg.get("endpoint") if req.reg else "?", what, err)
 
@@ -132,6 +134,7 @@ class KVSender:
         reg = req.reg or {}
         try:
             peer = self.peers.resolve(reg)
+            self.rec.transfer_info(req.rid, peer=peer)  # the agent it really writes to, stale or not
             local = self.agent.get_xfer_descs([(self.pool.addr(req.slot), req.nbytes, 0)], "DRAM")
             remote = self.agent.get_xfer_descs([(int(reg["addr"]), req.nbytes, 0)], "DRAM")
             handle = self.agent.initialize_xfer("WRITE", local, remote, peer, f"kv:{req.room}".encode())
@@ -183,10 +186,14 @@ class KVSender:
 class PrefillEngine:
     def __init__(self, args):
         self.args = args
-        self.rec = pdrec.from_env("prefill", service_name=args.service_name, engine_version="testbed",
-                                  gpu_uuids=tuple(args.gpu_uuid or ()))
-        self.status = StatusWriter(args.status_file)
         self.agent_name = f"{args.instance}-{uuid.uuid4().hex[:8]}"
+        self.api = LineServer(args.api_port, self._on_api)
+        self.bootstrap_server = LineServer(args.bootstrap_port, self._on_bootstrap)
+        # Decodes know this process by its bootstrap address; nobody else by its agent, but it is its KV name.
+        peers = (self.agent_name, f"127.0.0.1:{self.bootstrap_server.port}")
+        self.rec = pdrec.from_env("prefill", service_name=args.service_name, engine_version="testbed",
+                                  gpu_uuids=tuple(args.gpu_uuid or ()), peer_ids=peers)
+        self.status = StatusWriter(args.status_file)
         self.agent = kv.make_agent(self.agent_name)
         self.pool = kv.SlotPool(self.agent, args.slots, args.slot_bytes)
         self.sender = KVSender(self.agent, self.pool, self.rec)
@@ -201,8 +208,6 @@ class PrefillEngine:
         self._deferred: list[PrefillReq] = []  # finished legs whose slot a WRITE may still read
         self._seq = 0
         self._stop = threading.Event()
-        self.api = LineServer(args.api_port, self._on_api)
-        self.bootstrap_server = LineServer(args.bootstrap_port, self._on_bootstrap)
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
 
     # ---- server threads --------------------------------------------------
@@ -320,7 +325,7 @@ class PrefillEngine:
                 continue
             self.pool.view(req.slot, req.nbytes)[:] = kv.kv_pattern(req.room, req.nbytes)
             self.rec.enter(req.rid, TRANSFER)
-            self.rec.transfer_info(req.rid, nbytes=req.nbytes, backend="nixl", peer=req.reg.get("instance"))
+            self.rec.transfer_info(req.rid, nbytes=req.nbytes, backend="nixl", peer=req.reg.get("agent_name"))
             self.inflight[req.room] = req
             self.sender.submit(req)
         return True

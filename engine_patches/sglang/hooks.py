@@ -15,10 +15,12 @@ bookkeeping; loop ticks and tokens go to `state.rec` on every rank.
 from __future__ import annotations
 
 from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
+from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
 
 from .state import MAX_PENDING, TRACEPARENT_ATTR, state
 
+KV_FAILED = KVPoll.Failed
 # Outcome classes for a leg that SGLang ended with an abort-type finish.
 _TIMEOUT_WORDS = ("timed out", "timeout")
 
@@ -373,6 +375,14 @@ def on_decode_batch(batch, self, *args, **kwargs):
 
 # ---- KV managers and NIXL ---------------------------------------------------------
 
+def _leg_error(room, reason) -> None:
+    """A KV failure the engine recorded for a room: an error of the open leg until the leg ends."""
+    lc = state.lc
+    rid = state.room_rids.get(room) if room is not None else None
+    if lc is not None and rid is not None:
+        lc.leg_error(rid, f"KV failure: {reason}")
+
+
 def on_kv_failure(result, self, bootstrap_room, failure_reason, *args, **kwargs):
     rec = state.rec
     if rec is None:
@@ -381,6 +391,18 @@ def on_kv_failure(result, self, bootstrap_room, failure_reason, *args, **kwargs)
         text = str(failure_reason).lower()
         timed_out = any(w in text for w in _TIMEOUT_WORDS)
         rec.counter("kv_timeouts" if timed_out else "kv_transfer_failures", 1)
+        _leg_error(bootstrap_room, failure_reason)
+    except Exception:
+        _counted_error()
+
+
+def on_kv_concluded(result, self, *args, bootstrap_room=None, **kwargs):
+    """A room's transfer concluded; a Failed conclusion (the most common NIXL failure, which never
+    goes through record_failure) is the leg's error until the scheduler polls it and ends the leg."""
+    if state.lc is None or result != KV_FAILED:
+        return
+    try:
+        _leg_error(bootstrap_room, self.failure_records.get(bootstrap_room) or kwargs.get("failure_reason"))
     except Exception:
         _counted_error()
 

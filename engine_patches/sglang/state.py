@@ -61,6 +61,8 @@ class PluginState:
             owns_requests=owns,
             engine_version=_sglang_version(),
             gpu_uuids=tuple(gpu_uuids(_gpu_id())),
+            peer_ids=peer_ids(scheduler, role),
+            server_address=_server_address(),
         )
         rec = (recorder_factory or from_env)(role, **overrides)
         rec.hook_errors += self.early_errors
@@ -157,6 +159,40 @@ def _parallel_ranks(scheduler) -> tuple[int, int, bool]:
         tp_size = int(getattr(scheduler, "tp_size", 1) or 1)
         owns = tp_rank == 0
     return tp_rank, tp_size, owns
+
+
+def _kv_manager(scheduler, role: str):
+    """The scheduler's KV manager (built inside init_disaggregation, so there by the time this runs)."""
+    queue = scheduler.disagg_decode_prealloc_queue if role == "decode" else \
+        scheduler.disagg_prefill_bootstrap_queue if role == "prefill" else None
+    return getattr(queue, "kv_manager", None)
+
+
+def peer_ids(scheduler, role: str) -> tuple[str, ...]:
+    """pd.peer_ids: the NIXL agent name prefill writes to (decode) or its own (prefill), and, on a
+    prefill, the bootstrap address host:port its decodes name it by (contract section 3)."""
+    out: list[str] = []
+    try:
+        mgr = _kv_manager(scheduler, role)
+        agent = getattr(getattr(mgr, "agent", None), "name", None)
+        if agent:
+            out.append(str(agent))
+        if role == "prefill" and mgr is not None and mgr.bootstrap_host and mgr.bootstrap_port:
+            out.append(f"{mgr.bootstrap_host}:{mgr.bootstrap_port}")
+    except Exception:
+        log.debug("pdwatch: peer ids unreadable", exc_info=True)
+    return tuple(out)
+
+
+def _server_address() -> str | None:
+    """host:port of this server's HTTP API: the stable default pd.instance."""
+    try:
+        from sglang.srt.runtime_context import get_serving
+
+        serving = get_serving()
+        return f"{serving.host}:{serving.port}"
+    except Exception:
+        return None
 
 
 def _gpu_id() -> int | None:

@@ -32,6 +32,7 @@ class Target(NamedTuple):
     transition: str  # what the hook records
     params: tuple[str, ...] = ()
     attrs: tuple[str, ...] = ()
+    kwonly: tuple[str, ...] = ()  # keyword-only parameters the hook reads by name
 
     @property
     def module(self) -> str:
@@ -49,8 +50,11 @@ class Target(NamedTuple):
 TARGETS: tuple[Target, ...] = (
     # -- process and loop ----------------------------------------------------
     Target(f"{SCHED}.init_disaggregation", "after", "on_scheduler_ready",
-           "creates the process recorder (role, TP rank/size, GPU UUIDs)",
-           ("self",), ("Scheduler.disaggregation_mode",)),
+           "creates the process recorder (role, TP rank/size, GPU UUIDs, peer ids: KV agent, bootstrap address)",
+           ("self",), ("Scheduler.disaggregation_mode", "Scheduler.disagg_decode_prealloc_queue",
+                       "Scheduler.disagg_prefill_bootstrap_queue", "DecodePreallocQueue.kv_manager",
+                       "PrefillBootstrapQueue.kv_manager", "NixlKVManager.agent", "CommonKVManager.bootstrap_host",
+                       "CommonKVManager.bootstrap_port")),
     Target(f"{SCHED}.ingest_requests", "before", "on_loop_iteration",
            "one scheduler loop iteration (heartbeat pd.loop.iterations)", ("self",)),
     # -- the router's traceparent: HTTP process -> scheduler --------------------
@@ -110,8 +114,11 @@ TARGETS: tuple[Target, ...] = (
            "on_decode_batch", "decode: queued -> decode (running batch)", ("self",), ("ScheduleBatch.reqs",)),
     # -- KV managers (any backend) and NIXL ----------------------------------
     Target(f"{COMMON_MGR}.record_failure", "after", "on_kv_failure",
-           "KV failure recorded for a room (counted; timeouts apart)",
+           "KV failure recorded for a room (counted; timeouts apart; the open leg's error)",
            ("self", "bootstrap_room", "failure_reason"), ("CommonKVManager.failure_records",)),
+    Target(f"{COMMON_MGR}.conclude_transfer", "after", "on_kv_concluded",
+           "a room's transfer concluded Failed: the open leg's error until the scheduler ends it",
+           ("self",), ("CommonKVManager.failure_records",), kwonly=("bootstrap_room", "status", "failure_reason")),
     Target(f"{NIXL_MGR}._add_remote_peer", "around", "on_nixl_peer_added",
            "NIXL peer added; a decode agent back under a new name is a stale peer",
            ("self", "decode_kv_args"),

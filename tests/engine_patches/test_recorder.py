@@ -204,7 +204,7 @@ def test_non_owner_rank_sends_heartbeats_only():
 
 
 def test_resource_carries_the_contract_attributes():
-    rec, exp, _ = make("decode", cluster="c1", gpu_uuids=("GPU-1",))
+    rec, exp, _ = make("decode", cluster="c1", gpu_uuids=("GPU-1",), peer_ids=("agent-7f", "10.0.0.5:8998"))
     rec.heartbeat()
     rec.flush()
     res = exp.get_finished_spans()[0].resource.attributes
@@ -212,6 +212,26 @@ def test_resource_carries_the_contract_attributes():
     assert res["service.instance.id"] == rec.instance_id and res["process.pid"] > 0
     assert res["pd.start_time_unix_nano"] == rec.start_ns
     assert list(res["pd.gpu.uuids"]) == ["GPU-1"]
+    assert list(res["pd.peer_ids"]) == ["agent-7f", "10.0.0.5:8998"]
+    rec.shutdown()
+
+
+def test_an_error_that_does_not_end_a_leg_is_listed_until_the_leg_ends():
+    rec, exp, clock = make("prefill")
+    for rid in ("p-1", "p-2"):
+        rec.arrive(rid, bootstrap_room=int(rid[-1]))
+        rec.enter(rid, "transfer")
+    rec.leg_error("p-1", "NIXL_ERR_NOT_FOUND writing to agent a1")
+    rec.leg_error("p-9", "a leg it never saw")  # nothing to attach it to: ignored, not raised
+    rec.drain()
+    hb = rec.heartbeat_attributes()
+    errors = dict(zip(hb["pd.open.rids"], hb["pd.open.errors"]))
+    assert errors == {"p-1": "NIXL_ERR_NOT_FOUND writing to agent a1", "p-2": ""}
+    rec.finish("p-1", "failed", reason="kv transfer failed")
+    rec.drain()
+    assert rec.heartbeat_attributes()["pd.open.errors"] == [""]
+    assert rec.stats()["worker_errors"] == 0 and rec.hook_errors == 0
+    rec.shutdown()
 
 
 def test_hot_path_never_raises_and_counts_errors():
@@ -316,6 +336,11 @@ def test_config_from_environment_and_validation():
     )
     assert (cfg.cluster, cfg.instance, cfg.heartbeat_s, cfg.inventory_max) == ("blue", "decode-3", 0.5, 10)
     assert cfg.endpoint == "http://127.0.0.1:9"
+    # The stable default name: the server's address, never a PID (a restart keeps it).
+    served = RecorderConfig(role="decode", server_address="10.0.0.7:30001", pid=4242).resolved({})
+    assert served.instance == "10.0.0.7:30001"
+    unnamed = RecorderConfig(role="decode", pid=4242, host="node-3").resolved({})
+    assert unnamed.instance == "node-3:decode" and "4242" not in unnamed.instance
     with pytest.raises(ValueError, match="PDWATCH_HEARTBEAT_S"):
         RecorderConfig(role="decode").resolved({"PDWATCH_HEARTBEAT_S": "soon"})
     with pytest.raises(ValueError, match="role"):

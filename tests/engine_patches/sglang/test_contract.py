@@ -145,6 +145,17 @@ def test_attributes_the_hook_reads_are_defined_on_their_class(target):
     assert not missing, f"{target.path}: the hook reads {missing}, which SGLang no longer defines there"
 
 
+@pytest.mark.parametrize("target", [t for t in TARGETS if t.kwonly], ids=lambda t: t.path.split("sglang.srt.")[-1])
+def test_keyword_only_parameters_the_hook_reads_exist(target):
+    fn = find_method(target)
+    have = {a.arg for a in fn.args.kwonlyargs}
+    missing = [p for p in target.kwonly if p not in have]
+    assert not missing, f"{target.path}: the hook reads keyword-only {missing}; SGLang now has {sorted(have)}"
+    hook = inspect.signature(getattr(hooks, target.hook))
+    takes = any(p.kind is p.VAR_KEYWORD for p in hook.parameters.values())
+    assert takes or set(target.kwonly) <= set(hook.parameters), f"{target.hook} cannot take {target.kwonly}"
+
+
 def test_an_attribute_of_another_class_is_reported():
     """The 0.5.23 bug, kept as a check of the checker: the field lives on GenerateReqInput only."""
     assert "external_trace_header" in class_attributes("GenerateReqInput")
