@@ -5,9 +5,9 @@ that every alert gets its `runbook_url` from its name, never typed by hand, and
 a test can regenerate the file and compare. The YAML emitter is tiny because
 the shape is fixed: groups of rules whose values are all strings.
 
-    python alerts/generate.py                  # rewrite the rule file
-    python alerts/generate.py --check          # exit 1 if the file is stale
-    python alerts/generate.py --runbook-base https://git.example/pdwatch/blob/main/
+    python -m pdwatch.alerts.generate                  # rewrite the rule file
+    python -m pdwatch.alerts.generate --check          # exit 1 if the file is stale
+    python -m pdwatch.alerts.generate --runbook-base https://git.example/pdwatch/blob/main/
 
 Stuck legs, thresholds, "flowing" and the failure families are judged by the
 sidecar (contract section 5); these rules read its verdicts and never
@@ -22,6 +22,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdwatch import contract as c
+
 HERE = Path(__file__).resolve().parent
 RULE_FILE = HERE / "pdwatch-alerts.yml"
 RUNBOOK_DIR = "docs/runbooks"
@@ -30,27 +32,33 @@ RUNBOOK_DIR = "docs/runbooks"
 DEFAULT_RUNBOOK_BASE = "https://pdwatch.example/"
 
 # Alert names, contract section 9.
-STUCK_WHILE_OTHERS_FLOW = "PDRequestStuckWhileOthersFlow"
-TOTAL_WEDGE = "PDTotalWedge"
-TRANSFER_WEDGE = "PDTransferWedgeSuspected"
-BOOTSTRAP_WEDGE = "PDBootstrapWedgeSuspected"
-COLLECTIVE_DESYNC = "PDCollectiveDesyncSuspected"
-QUEUE_STARVATION = "PDQueueStarvation"
-RESTART_SKEW = "PDRestartSkew"
-ENGINE_SILENT = "PDEngineSilent"
-TELEMETRY_MISSING = "PDWatchTelemetryMissing"
-ALERT_NAMES = (
-    STUCK_WHILE_OTHERS_FLOW, TOTAL_WEDGE, TRANSFER_WEDGE, BOOTSTRAP_WEDGE, COLLECTIVE_DESYNC,
-    QUEUE_STARVATION, RESTART_SKEW, ENGINE_SILENT, TELEMETRY_MISSING,
-)
+STUCK_WHILE_OTHERS_FLOW = c.ALERT_STUCK_WHILE_OTHERS_FLOW
+TOTAL_WEDGE = c.ALERT_TOTAL_WEDGE
+TRANSFER_WEDGE = c.ALERT_TRANSFER_WEDGE
+BOOTSTRAP_WEDGE = c.ALERT_BOOTSTRAP_WEDGE
+COLLECTIVE_DESYNC = c.ALERT_COLLECTIVE_DESYNC
+QUEUE_STARVATION = c.ALERT_QUEUE_STARVATION
+RESTART_SKEW = c.ALERT_RESTART_SKEW
+ENGINE_SILENT = c.ALERT_ENGINE_SILENT
+TELEMETRY_MISSING = c.ALERT_TELEMETRY_MISSING
+ALERT_NAMES = c.ALERT_NAMES
 
 # "Others flowed recently": the sidecar's flag (some leg finished ok within its
 # 60 s window) seen at least once in this range. The range smooths a cluster
 # whose completions are sparse, so the headline does not reset its `for` each
 # time a quiet minute passes; a total wedge is its exact complement.
 FLOW_RANGE = "2m"
-FLOWED = f"max by (cluster) (max_over_time(pdwatch_cluster_flowing[{FLOW_RANGE}])) == 1"
-STUCK_BY_LEG_KEY = "max by (cluster, role, stage, pd_instance) (pdwatch_stuck_requests)"
+FLOWED = f"max by (cluster) (max_over_time({c.CLUSTER_FLOWING.name}[{FLOW_RANGE}])) == 1"
+LEG_KEY = "cluster, role, stage, pd_instance"
+STUCK_BY_LEG_KEY = f"max by ({LEG_KEY}) ({c.STUCK.name})"
+# The headline has two paths under one name and label set. Legs stuck on evidence (contract
+# section 5b) are proof already: they page after HEADLINE_FOR. Legs stuck past their
+# threshold must stay so for a minute first, as ever: HOLD of samples all above zero, then
+# HEADLINE_FOR; HOLD + HEADLINE_FOR = 1m, so that path pages when it always did.
+HEADLINE_FOR = "5s"
+HOLD = "55s"
+EVIDENCE_BY_LEG_KEY = f"max by ({LEG_KEY}) ({c.STUCK_EVIDENCE.name})"
+HELD_BY_LEG_KEY = f"max by ({LEG_KEY}) (min_over_time({c.STUCK.name}[{HOLD}]))"
 
 
 def _q(template_query: str, *args: str) -> str:
@@ -108,19 +116,26 @@ GROUPS = (
     Group("pdwatch.requests", (
         Alert(
             name=STUCK_WHILE_OTHERS_FLOW,
-            expr=f"{STUCK_BY_LEG_KEY} > 0\nand on (cluster)\n{FLOWED}",
-            for_="1m",
+            expr=(f"(\n  {EVIDENCE_BY_LEG_KEY} > 0\nor\n  {HELD_BY_LEG_KEY} > 0\n)\n"
+                  f"and on (cluster)\n{FLOWED}"),
+            for_=HEADLINE_FOR,
             severity="critical",
             summary="PD request legs are stuck while other requests keep finishing.",
             description=(
-                "{{ $value }} {{ $labels.role }} leg(s) on {{ $labels.pd_instance }} (cluster "
-                "{{ $labels.cluster }}) have stayed in stage {{ $labels.stage }} past the stuck threshold of "
+                _count("sum(pdwatch_stuck_requests{cluster=%q,role=%q,stage=%q,pd_instance=%q})",
+                       "$labels.cluster", "$labels.role", "$labels.stage", "$labels.pd_instance")
+                + " {{ $labels.role }} leg(s) on {{ $labels.pd_instance }} (cluster {{ $labels.cluster }}) are "
+                "stuck in stage {{ $labels.stage }} while other requests of the cluster keep finishing; "
+                + _count("sum(pdwatch_stuck_evidence_requests{cluster=%q,role=%q,stage=%q,pd_instance=%q})",
+                         "$labels.cluster", "$labels.role", "$labels.stage", "$labels.pd_instance")
+                + " of them on evidence that they cannot progress"
+                + ", the rest past the stuck threshold of "
                 + _scalar("max(pdwatch_stuck_threshold_seconds{cluster=%q,role=%q,stage=%q})",
                           "$labels.cluster", "$labels.role", "$labels.stage")
-                + " while other requests of the cluster keep finishing; the oldest has been there "
+                + ". The oldest has been there "
                 + _scalar("max(pdwatch_oldest_stage_age_seconds{cluster=%q,role=%q,stage=%q,pd_instance=%q})",
                           "$labels.cluster", "$labels.role", "$labels.stage", "$labels.pd_instance")
-                + ". Their trace ids are in pdwatch_stuck_request_info and the sidecar's /api/v1/stuck."
+                + ". Their trace ids and reasons are in pdwatch_stuck_request_info and the sidecar's /api/v1/stuck."
             ),
         ),
         Alert(
@@ -160,13 +175,14 @@ GROUPS = (
         ),
         _family(
             COLLECTIVE_DESYNC, "collective_desync", "critical",
-            "The sidecar suspects a collective desync: an engine loop frozen with busy GPUs.",
+            "The sidecar suspects a collective desync: an engine loop frozen while it heartbeats.",
             "pdwatch diagnoses collective_desync in cluster {{ $labels.cluster }}. Instances whose engine "
-            "loop is stalled: "
-            + _list("pdwatch_engine_loop_stalled{cluster=%q} == 1", "$labels.cluster",
+            "loop stands still while they heartbeat: "
+            + _list("max by (pd_instance) (pdwatch_engine_loop_stalled{cluster=%q} == 1 "
+                    "or pdwatch_engine_loop_frozen{cluster=%q} == 1)", "$labels.cluster", "$labels.cluster",
                     item="{{ .Labels.pd_instance }}")
-            + "(their GPUs read >= 90 % utilization). Dump stacks, check the collective library, "
-            "restart the TP group.",
+            + "(GPUs at >= 90 % utilization confirm a collective hang; the sidecar's diagnosis says what "
+            "they read). Dump stacks, check the collective library, restart the TP group.",
         ),
         _family(
             QUEUE_STARVATION, "queue_starvation", "warning",
@@ -277,7 +293,7 @@ def render(base: str = DEFAULT_RUNBOOK_BASE) -> str:
     if unknown:
         raise ValueError(f"alert names differ from contract section 9: {sorted(unknown)}")
     out = [
-        "# Generated by alerts/generate.py; edit the table there and run it again.",
+        "# Generated by alerts/generate.py (python -m pdwatch.alerts.generate); edit the table there and run it again.",
         "groups:",
     ]
     for group in GROUPS:
@@ -307,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         current = args.out.read_text() if args.out.exists() else ""
         if current != text:
-            print(f"{args.out} is stale: run python alerts/generate.py", file=sys.stderr)
+            print(f"{args.out} is stale: run python -m pdwatch.alerts.generate", file=sys.stderr)
             return 1
         return 0
     args.out.write_text(text)

@@ -151,6 +151,13 @@ class Metric(NamedTuple):
         """The name a query uses: a counter's samples end in _total."""
         return self.name + "_total" if self.type == "counter" else self.name
 
+    @property
+    def series_names(self) -> tuple[str, ...]:
+        """Every sample name the metric exposes (a histogram's three)."""
+        if self.type == "histogram":
+            return tuple(f"{self.name}_{part}" for part in ("bucket", "sum", "count"))
+        return (self.series,)
+
 
 INFLIGHT = Metric("pdwatch_inflight_requests", "gauge", LEG_GROUP)
 STUCK = Metric("pdwatch_stuck_requests", "gauge", LEG_GROUP)

@@ -8,35 +8,15 @@ from pathlib import Path
 
 import pytest
 
+from pdwatch import contract as c
 from pdwatch.alerts import generate as gen
+from tests.support.metrics import exposed_series
 
 ROOT = Path(__file__).resolve().parents[2]
 ALERTS_DIR = ROOT / "alerts"
 
 RULE_FILE = ALERTS_DIR / "pdwatch-alerts.yml"
 TEST_FILES = sorted((ALERTS_DIR / "tests").glob("*.test.yml"))
-
-# Contract section 6, plus the additions the sidecar exposes beside them.
-CONTRACT_METRICS = {
-    "pdwatch_inflight_requests", "pdwatch_stuck_requests", "pdwatch_oldest_stage_age_seconds",
-    "pdwatch_stuck_threshold_seconds", "pdwatch_stage_duration_seconds_bucket",
-    "pdwatch_stage_duration_seconds_sum", "pdwatch_stage_duration_seconds_count",
-    "pdwatch_requests_finished_total", "pdwatch_stuck_detected_total", "pdwatch_stuck_request_info",
-    "pdwatch_instance_up", "pdwatch_instance_start_time_seconds", "pdwatch_instance_restarts_total",
-    "pdwatch_engine_loop_stalled", "pdwatch_gpu_utilization_ratio", "pdwatch_gpu_power_watts",
-    "pdwatch_gpu_power_limit_watts", "pdwatch_gpu_memory_used_bytes", "pdwatch_gpu_telemetry_up",
-    "pdwatch_suspected_failure", "pdwatch_spans_received_total", "pdwatch_spans_rejected_total",
-    "pdwatch_tracked_legs",
-}
-ADDED_METRICS = {
-    "pdwatch_cluster_flowing", "pdwatch_heartbeats_received_total", "pdwatch_legs_evicted_total",
-    "pdwatch_tracked_instances", "pdwatch_instance_heartbeat_age_seconds",
-}
-CONTRACT_FAMILIES = {
-    "transfer_wedge", "bootstrap_wedge", "collective_desync", "queue_starvation", "total_wedge",
-    "restart_skew", "engine_silent",
-}
-
 
 def test_rule_file_is_what_the_generator_writes():
     assert RULE_FILE.read_text() == gen.render(), "run: python alerts/generate.py"
@@ -116,6 +96,6 @@ def test_rules_use_only_metric_names_the_sidecar_exposes():
     for rule in gen.alerts():
         used = _metric_names(rule.expr) | _metric_names(rule.description)
         assert used, rule.name
-        assert used <= CONTRACT_METRICS | ADDED_METRICS, (rule.name, used - CONTRACT_METRICS - ADDED_METRICS)
+        assert used <= exposed_series(), (rule.name, used - exposed_series())
         for family in re.findall(r'family="(\w+)"', rule.expr):
-            assert family in CONTRACT_FAMILIES
+            assert family in c.FAMILIES

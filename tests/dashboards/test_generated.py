@@ -13,23 +13,12 @@ import pytest
 
 from pdwatch import cli
 from pdwatch.dashboards import common, render
+from tests.support.metrics import exposed_series
 
 DOCS = render.load()
 FLOW, STUCK, SELF = DOCS["pd-request-flow.json"], DOCS["stuck-requests.json"], DOCS["pdwatch-self.json"]
 
-# Contract section 6 (histogram series spelled out) and the sidecar's additions.
-KNOWN_METRICS = {
-    "pdwatch_inflight_requests", "pdwatch_stuck_requests", "pdwatch_oldest_stage_age_seconds",
-    "pdwatch_stuck_threshold_seconds", "pdwatch_stage_duration_seconds_bucket",
-    "pdwatch_stage_duration_seconds_sum", "pdwatch_stage_duration_seconds_count",
-    "pdwatch_requests_finished_total", "pdwatch_stuck_detected_total", "pdwatch_stuck_request_info",
-    "pdwatch_instance_up", "pdwatch_instance_start_time_seconds", "pdwatch_instance_restarts_total",
-    "pdwatch_engine_loop_stalled", "pdwatch_gpu_utilization_ratio", "pdwatch_gpu_power_watts",
-    "pdwatch_gpu_power_limit_watts", "pdwatch_gpu_memory_used_bytes", "pdwatch_gpu_telemetry_up",
-    "pdwatch_suspected_failure", "pdwatch_spans_received_total", "pdwatch_spans_rejected_total",
-    "pdwatch_tracked_legs", "pdwatch_cluster_flowing", "pdwatch_heartbeats_received_total",
-    "pdwatch_legs_evicted_total", "pdwatch_tracked_instances", "pdwatch_instance_heartbeat_age_seconds",
-}
+KNOWN_METRICS = exposed_series()
 
 
 def _panels(doc):
