@@ -1,0 +1,203 @@
+"""The Kubernetes manifests agree with the code: the DaemonSet sets only real sidecar settings
+(values they accept), on the contract's port and paths; the NetworkPolicy opens ingest to
+engines and the metrics port to Prometheus only; engines send where the Service listens,
+with the engine-side variables docs/sglang.md lists; each overlay does what it says."""
+
+from __future__ import annotations
+
+import re
+from urllib.parse import urlsplit
+
+import pytest
+import tomllib
+import yaml
+
+from pdwatch import contract as c
+from pdwatch.sidecar.settings import Settings, env_name
+from tests.deploy.kube import (
+    ENGINE_LABEL,
+    ROOT,
+    Doc,
+    container,
+    env,
+    find,
+    matches,
+    one,
+    pod_spec,
+    port_number,
+    quantity_bytes,
+    target_port,
+)
+
+WITH_SIDECAR = ["base", "overlays/kube-prometheus-stack", "overlays/without-collector"]
+NAMESPACE = "pdwatch"
+SERVICE = "pdwatch-node"
+SECRET = {"name": "pdwatch-token", "key": "token"}
+
+
+def daemonset(docs: list[Doc]) -> Doc:
+    return one(docs, "DaemonSet", "pdwatch-node")
+
+
+def sidecar(docs: list[Doc]) -> Doc:
+    return container(daemonset(docs), "sidecar")
+
+
+def ingest_ports(docs: list[Doc]) -> set[int]:
+    """The pod ports behind the Service's OTLP ports: where engines' spans land."""
+    service = one(docs, "Service", SERVICE)
+    return {target_port(daemonset(docs), p["targetPort"]) for p in service["spec"]["ports"]
+            if p["name"].startswith("otlp-")}
+
+
+def sidecar_settings(docs: list[Doc]) -> Settings:
+    """The sidecar's Settings as its environment makes them (the Secret's token stood in for)."""
+    values = {}
+    for name, entry in env(sidecar(docs)).items():
+        if name.startswith(c.ENV_PREFIX):
+            values[name] = entry.get("value", "a-token-from-the-secret")
+    fields = {env_name(f): f for f in Settings.model_fields}
+    assert set(values) <= set(fields), f"not sidecar settings: {set(values) - set(fields)}"
+    return Settings(**{fields[name]: value for name, value in values.items()})
+
+
+@pytest.mark.parametrize("build", WITH_SIDECAR)
+def test_the_sidecar_sets_only_real_settings_on_the_contracts_paths(builds, build):
+    docs = builds[build]
+    spec = sidecar(docs)
+    settings = sidecar_settings(docs)
+    assert spec["args"] == ["serve"]
+    assert settings.host == "0.0.0.0" and settings.port == port_number(spec, "http-metrics")
+    # Only NVIDIA's runtime variables besides pdwatch's own.
+    assert {n for n in env(spec) if not n.startswith(c.ENV_PREFIX)} == {"NVIDIA_VISIBLE_DEVICES",
+                                                                          "NVIDIA_DRIVER_CAPABILITIES"}
+    assert env(spec)[c.ENV_TOKEN]["valueFrom"]["secretKeyRef"] == SECRET
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert spec[probe]["httpGet"] == {"path": c.PATH_HEALTH, "port": "http-metrics"}, probe
+    limits, requests = spec["resources"]["limits"], spec["resources"]["requests"]
+    assert set(limits) == set(requests) == {"cpu", "memory"}
+    # Ingest sheds load (503) before the kernel kills the pod at its memory limit.
+    assert 0 < settings.max_rss_bytes < quantity_bytes(limits["memory"])
+
+
+@pytest.mark.parametrize("build", WITH_SIDECAR)
+def test_prometheus_scrapes_the_sidecars_metrics_path_on_each_pod(builds, build):
+    docs = builds[build]
+    monitor = one(docs, "ServiceMonitor")
+    service = one(docs, "Service", SERVICE)
+    pod_labels = daemonset(docs)["spec"]["template"]["metadata"]["labels"]
+    assert matches(monitor["spec"]["selector"], service["metadata"]["labels"])
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["path"] == c.PATH_METRICS
+    (port,) = [p for p in service["spec"]["ports"] if p["name"] == endpoint["port"]]
+    assert target_port(daemonset(docs), port["targetPort"]) == sidecar_settings(docs).port
+    assert endpoint["interval"] == "15s"  # the scrape interval alerts/tests are written for
+
+
+@pytest.mark.parametrize("build", WITH_SIDECAR)
+def test_engines_reach_ingest_on_the_otlp_http_port_and_their_spans_reach_the_sidecar(builds, build):
+    docs = builds[build]
+    service = one(docs, "Service", SERVICE)
+    assert service["spec"]["internalTrafficPolicy"] == "Local"  # a node's engines, that node's sidecar
+    (http,) = [p for p in service["spec"]["ports"] if p["name"] == "otlp-http"]
+    assert http["port"] == c.DEFAULT_PORT
+    settings = sidecar_settings(docs)
+    collectors = [ct for ct in pod_spec(daemonset(docs))["containers"] if ct["name"] == "otel-collector"]
+    if not collectors:  # engines straight to the sidecar; it forwards to the trace store itself
+        assert ingest_ports(docs) == {settings.port}
+        assert urlsplit(settings.forward_otlp_endpoint).hostname != "127.0.0.1"
+        return
+    node = yaml.safe_load(one(docs, "ConfigMap", "pdwatch-collector")["data"]["node.yaml"])
+    receivers = {name: int(p["endpoint"].rsplit(":", 1)[1]) for name, p in node["receivers"]["otlp"]["protocols"].items()}
+    assert ingest_ports(docs) == {port_number(collectors[0], f"otlp-{k}") for k in receivers} == set(receivers.values())
+    # node.yaml's loopback wiring, which holds because both containers share the pod's network.
+    assert urlsplit(node["exporters"]["otlphttp/pdwatch"]["endpoint"]).port == settings.port
+    back = node["receivers"]["otlp/from-sidecar"]["protocols"]["http"]["endpoint"]
+    assert settings.forward_otlp_endpoint == f"http://{back}"
+
+
+@pytest.mark.parametrize("build", WITH_SIDECAR)
+def test_network_policy_opens_ingest_to_engines_and_metrics_to_prometheus_only(builds, build):
+    docs = builds[build]
+    policy = one(docs, "NetworkPolicy", "pdwatch-node")["spec"]
+    assert matches(policy["podSelector"], daemonset(docs)["spec"]["template"]["metadata"]["labels"])
+    assert policy["policyTypes"] == ["Ingress"]
+    engines, prometheus = policy["ingress"]
+    assert all(p["protocol"] == "TCP" for rule in (engines, prometheus) for p in rule["ports"])
+    assert {p["port"] for p in engines["ports"]} == ingest_ports(docs)
+    assert {p["port"] for p in prometheus["ports"]} == {sidecar_settings(docs).port}
+    # Engines from any namespace, by their label; Prometheus from its namespace, by the operator's label.
+    (peer,) = engines["from"]
+    assert peer["namespaceSelector"] == {}
+    assert peer["podSelector"] == {"matchLabels": dict([ENGINE_LABEL])}
+    (peer,) = prometheus["from"]
+    assert peer["namespaceSelector"]["matchLabels"]
+    assert peer["podSelector"]["matchLabels"]["app.kubernetes.io/name"] == "prometheus"
+    # A port of a pdwatch container that no rule opens serves the kubelet's probes only.
+    opened = ingest_ports(docs) | {sidecar_settings(docs).port}
+    for ct in pod_spec(daemonset(docs))["containers"]:
+        probed = {ct[p]["httpGet"]["port"] for p in ("livenessProbe", "readinessProbe") if p in ct}
+        for port in ct["ports"]:
+            assert port["containerPort"] in opened or port["name"] in probed, f"{ct['name']} {port['name']}"
+
+
+def test_every_image_is_pinned_and_pdwatch_is_this_version(builds):
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    for build, docs in builds.items():
+        for workload in (d for d in docs if d["kind"] in ("DaemonSet", "StatefulSet", "Deployment")):
+            for ct in pod_spec(workload)["containers"]:
+                name, _, tag = ct["image"].rpartition(":")
+                assert name and tag and tag != "latest", f"{build}: {ct['image']}"
+                if name == "pdwatch":
+                    assert tag == version, f"{build}: the image is built from this version's wheel"
+    dockerfile = (ROOT / "deploy" / "kubernetes" / "Dockerfile").read_text()
+    assert f"pdwatch:{version}" in dockerfile and f"pdwatch-{version}-py3-none-any.whl" in dockerfile
+
+
+def documented_engine_env() -> set[str]:
+    """The variables of docs/sglang.md's "Set the environment" table."""
+    text = (ROOT / "docs" / "sglang.md").read_text()
+    return set(re.findall(r"^\| `([A-Z0-9_]+)` \|", text, flags=re.M))
+
+
+def test_the_sglang_example_sets_the_engine_side_environment(builds):
+    docs = builds["examples/sglang-pd"]
+    base = builds["base"]
+    engines = [w for w in find(docs, "StatefulSet")
+               if w["spec"]["template"]["metadata"]["labels"].get(ENGINE_LABEL[0]) == ENGINE_LABEL[1]]
+    roles = {}
+    documented = documented_engine_env()
+    assert set(c.ENGINE_ENV) - {c.ENV_INVENTORY_MAX} <= documented
+    for workload in engines:
+        (engine,) = pod_spec(workload)["containers"]
+        variables = env(engine)
+        assert set(variables) <= documented, set(variables) - documented
+        assert variables["PDWATCH_SGLANG"]["value"] == "1"
+        # The stable name of a StatefulSet's pod: the same instance across restarts.
+        assert variables[c.ENV_INSTANCE]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+        endpoint = urlsplit(variables[c.ENV_OTLP_ENDPOINT]["value"])
+        assert (endpoint.hostname, endpoint.port) == (f"{SERVICE}.{NAMESPACE}.svc", c.DEFAULT_PORT)
+        assert variables[c.ENV_CLUSTER]["value"]
+        (mode,) = [a.split("=", 1)[1] for a in engine["command"] if a.startswith("--disaggregation-mode=")]
+        roles[mode] = variables[c.ENV_CLUSTER]["value"]
+    assert set(roles) == {"prefill", "decode"} and len(set(roles.values())) == 1, roles
+    # The namespace and Service the engines name are the base's.
+    assert one(base, "Service", SERVICE)["metadata"]["namespace"] == NAMESPACE
+    assert one(base, "Namespace")["metadata"]["name"] == NAMESPACE
+
+
+def test_kube_prometheus_stack_overlay_labels_what_the_charts_prometheus_selects(builds):
+    docs = builds["overlays/kube-prometheus-stack"]
+    for kind in ("ServiceMonitor", "PrometheusRule"):
+        assert one(docs, kind)["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    (peer,) = one(docs, "NetworkPolicy")["spec"]["ingress"][1]["from"]
+    assert peer["podSelector"]["matchLabels"]["prometheus"] == "kube-prometheus-stack-prometheus"
+
+
+def test_without_collector_overlay_leaves_no_collector_behind(builds):
+    docs = builds["overlays/without-collector"]
+    spec = pod_spec(daemonset(docs))
+    assert [ct["name"] for ct in spec["containers"]] == ["sidecar"]
+    assert not spec.get("volumes") and not find(docs, "ConfigMap", "pdwatch-collector")
+    assert [p["name"] for p in one(docs, "Service", SERVICE)["spec"]["ports"]] == ["otlp-http", "http-metrics"]
