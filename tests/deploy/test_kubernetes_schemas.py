@@ -57,7 +57,7 @@ def test_manifests_pass_check_jsonschema(schema, builds, tmp_path):
     assert "validation done" in out.stdout
 
 
-def test_the_schemas_catch_a_misspelt_field_and_a_missing_rule_expression(builds, tmp_path):
+def test_the_schemas_catch_a_misspelt_field_and_a_bad_rule_duration(builds, tmp_path):
     # Proof that the check has teeth: strict schemas refuse what the API server would drop.
     base = builds["base"]
     daemonset = copy.deepcopy(one(base, "DaemonSet"))
