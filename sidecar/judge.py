@@ -17,6 +17,7 @@ from dataclasses import replace
 
 from pdwatch import contract as c
 
+from .contrast import LegFacts, contrast
 from .diagnosis.classify import REPORT_AT, classify, verdict
 from .diagnosis.from_evaluation import gather
 from .evaluation import EMPTY, Counters, Evaluation, GpuView, Group, InstanceView, Rank, StuckLeg
@@ -24,12 +25,14 @@ from .gpu.join import InstanceClaim, Owner, OwnerMemory
 from .gpu.sampler import GpuSampler
 from .history import History
 from .metrics import StageDurations
-from .model import Incarnation, Instance, Leg, leg_age_s
+from .model import Incarnation, Instance, Leg, arrival_ns, leg_age_s
 from .tracker import Tracker
 
 log = logging.getLogger("pdwatch.sidecar.judge")
 
 _EVIDENCE_STAGES = ("bootstrap", "transfer")  # where a leg waits on its KV peer
+# Legs that finished ok looked at for the contrast, newest first: enough to see a pattern.
+CONTRAST_FLOWING_MAX = 5000
 
 
 class Judge:
@@ -59,7 +62,7 @@ class Judge:
         self._find_down(now)
         frozen = {(inst.cluster, inst.name): ranks for inst in t.instances.values()
                   if (ranks := t.frozen_ranks(inst, now))}
-        stuck, groups, thresholds, fresh = self._judge_legs(now, frozen)
+        stuck, groups, thresholds, fresh, stuck_legs = self._judge_legs(now, frozen)
         flowing = {name: cl.last_ok_ns > 0 and now - cl.last_ok_ns <= t.flow_window_ns
                    for name, cl in t.clusters.items()}
         instances = tuple(self._instance(inst, now, frozen) for inst in t.instances.values())
@@ -71,11 +74,13 @@ class Judge:
             histogram=self.durations.snapshot() if self.durations is not None else EMPTY.histogram,
             gpu_up=gpu_up, gpu_reason=reason, gpu_sampled_at=sampled_at, gpus=gpus, diagnosis=(),
         )
+        contrasts = self._contrasts(stuck_legs, now)
         verdicts, confidences = [], {}
         for facts in gather(ev):
             findings = classify(facts)
             confidences[facts.cluster] = {f.family: round(f.confidence, 2) for f in findings}
-            verdicts.append(verdict(facts, findings))
+            verdicts.append({**verdict(facts, findings),
+                             "contrast": [x.as_dict() for x in contrasts.get(facts.cluster, ())]})
         ev = replace(ev, diagnosis=tuple(verdicts), confidences=confidences)
         self.latest = ev
         if self.history is not None:
@@ -138,6 +143,7 @@ class Judge:
         groups: dict[tuple[str, str, str, str], list] = {}
         stuck: list[StuckLeg] = []
         fresh: list[StuckLeg] = []
+        stuck_legs: list[Leg] = []
         for leg in t.open.values():
             stage = leg.stage
             if stage is None or leg.stage_done:
@@ -174,6 +180,7 @@ class Judge:
                 leg.stuck_at_ns = now
             view = self._stuck_view(leg, stage, age, thr, reason, why)
             stuck.append(view)
+            stuck_legs.append(leg)
             if first and not leg.ever_stuck:
                 leg.ever_stuck = True
                 skey = (leg.cluster, leg.role, stage)
@@ -189,7 +196,7 @@ class Judge:
                     thresholds[tkey] = t.thresholds.threshold(tkey, now)
         stuck.sort(key=lambda s: -s.age_s)
         out_groups = {k: Group(v[0], round(v[1], 3), v[2]) for k, v in groups.items()}
-        return tuple(stuck), out_groups, thresholds, fresh
+        return tuple(stuck), out_groups, thresholds, fresh, stuck_legs
 
     def _evidence(self, leg: Leg, stage: str, now: int, frozen: dict) -> tuple[str, str] | None:
         """(reason, the evidence in words) when the engines' reports prove the leg cannot progress."""
@@ -227,6 +234,52 @@ class Judge:
             offset_ns=inc.offset_ns() if inc is not None else 0, prompt_tokens=leg.prompt_tokens,
             error=leg.error, incarnation=inc.id if inc is not None else None, arrive_ns=leg.arrive_ns,
         )
+
+    # ---- what sets the stuck legs apart ----------------------------------------------------
+
+    def _contrasts(self, stuck_legs: list[Leg], now: int) -> dict[str, list]:
+        """Per cluster with stuck legs: the attributes that separate them from the legs that flowed."""
+        if not stuck_legs:
+            return {}
+        t = self.tracker
+        by_cluster: dict[str, list[Leg]] = {}
+        for leg in stuck_legs:
+            by_cluster.setdefault(leg.cluster, []).append(leg)
+        flowing: dict[str, list[Leg]] = {name: [] for name in by_cluster}
+        since, seen = now - t.flow_window_ns, 0
+        for leg in reversed(t.closed.values()):  # newest ends first
+            if leg.closed_at_ns < since or seen >= CONTRAST_FLOWING_MAX:
+                break
+            seen += 1
+            if leg.outcome == "ok" and not leg.probe and leg.cluster in flowing:
+                flowing[leg.cluster].append(leg)
+        owners = {(inst.cluster, pid): inst.name for inst in t.instances.values()
+                  for inc in inst.ranks.values() for pid in inc.peer_ids}
+        out = {}
+        for cluster, legs in by_cluster.items():
+            restarts = {inst.name: inst.restart_times_ns[-1] / 1e9 for inst in t.instances.values()
+                        if inst.cluster == cluster and inst.restart_times_ns}
+            out[cluster] = contrast([self._facts(leg, now, owners) for leg in legs],
+                                    [self._facts(leg, leg.closed_at_ns, owners) for leg in flowing[cluster]],
+                                    restarts)
+        return out
+
+    def _facts(self, leg: Leg, at_ns: int, owners: dict[tuple[str, str], str]) -> LegFacts:
+        """What the contrast knows of a leg, as of `at_ns` (its end for a finished leg, now for a stuck one)."""
+        owner, ended = None, False
+        for peer in (leg.peer or "").split(","):
+            if not peer:
+                continue
+            gone = self.tracker.gone_peers.get(leg.cluster, peer)
+            if gone is not None and gone.ended_ns <= at_ns:
+                owner, ended = gone.instance, True
+                break
+            owner = owner or owners.get((leg.cluster, peer)) or (gone.instance if gone is not None else None)
+        offset = leg.inc.offset_ns() if leg.inc is not None else 0
+        arrived = arrival_ns(leg)
+        return LegFacts(role=leg.role, pd_instance=leg.pd_instance, peer=leg.peer, peer_owner=owner, peer_ended=ended,
+                        prompt_tokens=leg.prompt_tokens, arrived_s=(arrived + offset) / 1e9 if arrived else None,
+                        error=leg.error is not None)
 
     # ---- GPUs and counters -------------------------------------------------------------------
 

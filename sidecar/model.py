@@ -117,6 +117,7 @@ class Leg:
     stage_done: bool = False
     arrive_ns: int | None = None
     end_ns: int | None = None
+    closed_at_ns: int = 0  # sidecar clock: when the tracker saw it end
     outcome: str | None = None  # None while open, or closed without a leg span ("vanished")
     # Finished stages as flat (stage index, start_ns, end_ns) triples: a compact
     # array instead of a tuple per stage is most of the memory an open leg costs.
@@ -162,6 +163,15 @@ def stage_history(leg: Leg) -> list[tuple[str, int, int, str | None]]:
     out = [(c.ALL_STAGES[h[i]], h[i + 1], h[i + 2], errors.get(h[i])) for i in range(0, len(h), 3)]
     out.sort(key=lambda item: item[1])
     return out
+
+
+def arrival_ns(leg: Leg) -> int:
+    """When the leg arrived, engine clock: its leg span's start, else its first stage's."""
+    if leg.arrive_ns is not None:
+        return leg.arrive_ns
+    h = leg.history
+    starts = [h[i + 1] for i in range(0, len(h), 3)] if h else []
+    return min([*starts, leg.stage_since_ns]) if leg.stage is not None else min(starts, default=0)
 
 
 def leg_age_s(leg: Leg, now_ns: int) -> float:

@@ -227,7 +227,7 @@ class Tracker:
         key = (leg.trace_id, leg.role)
         if leg.inc is not None:
             leg.inc.keys.discard(key)
-        leg.outcome, leg.end_ns, leg.stuck_at_ns = outcome, end_ns, None
+        leg.outcome, leg.end_ns, leg.stuck_at_ns, leg.closed_at_ns = outcome, end_ns, None, now
         self._remember_closed(key, leg)
         if outcome is None:
             return

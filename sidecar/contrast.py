@@ -1,0 +1,133 @@
+"""What distinguishes the stuck legs from the ones that flow.
+
+A pure function over facts about legs: for every attribute the sidecar knows
+of a leg (its instance, its role, its peer and whether the peer's process is
+the current one, its prompt length, whether it arrived after the latest
+restart of an instance, whether its engine recorded an error for it), the
+share of stuck legs that have it against the share of legs that finished ok
+in the flow window. An attribute separates them when the difference is large;
+the best few are reported, best first. Scattered stuck legs with no common
+cause separate on nothing, and nothing is reported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+# Below this difference of shares an attribute says nothing worth reading.
+CLEAR_SEPARATION = 0.5
+TOP = 5
+
+
+@dataclass(frozen=True, slots=True)
+class LegFacts:
+    role: str
+    pd_instance: str
+    peer: str | None
+    peer_owner: str | None  # the instance whose process the peer id names, when known
+    peer_ended: bool  # that process has ended (restarted or down) since
+    prompt_tokens: int | None
+    arrived_s: float | None  # sidecar clock, Unix seconds
+    error: bool  # the engine recorded an error for the leg without ending it
+
+
+@dataclass(frozen=True, slots=True)
+class Contrast:
+    attribute: str
+    value: str
+    stuck: float  # share of stuck legs that have it
+    flowing: float  # share of legs that finished ok in the flow window that have it
+    stuck_n: int
+    stuck_of: int
+    flowing_n: int
+    flowing_of: int
+    sentence: str
+
+    @property
+    def separation(self) -> float:
+        return self.stuck - self.flowing
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"attribute": self.attribute, "value": self.value, "stuck": round(self.stuck, 3),
+                "flowing": round(self.flowing, 3), "stuck_legs": [self.stuck_n, self.stuck_of],
+                "flowing_legs": [self.flowing_n, self.flowing_of], "separation": round(self.separation, 3),
+                "sentence": self.sentence}
+
+
+Predicate = Callable[[LegFacts], bool]
+
+
+def _candidates(stuck: list[LegFacts], flowing: list[LegFacts],
+                restarts: dict[str, float]) -> Iterable[tuple[str, str, Predicate, str]]:
+    """(attribute, value, predicate, what the legs that have it do) for everything worth testing."""
+    for name in sorted({leg.pd_instance for leg in stuck}):
+        yield "pd_instance", name, (lambda leg, n=name: leg.pd_instance == n), f"are on {name}"
+    # A fault of one instance shows on both legs of its requests: its own, and its peers' legs talking to it.
+    for name in sorted({leg.pd_instance for leg in stuck} | {leg.peer_owner for leg in stuck if leg.peer_owner}):
+        yield ("involves", name, (lambda leg, n=name: leg.pd_instance == n or leg.peer_owner == n),
+               f"are on {name} or talk to it")
+    for role in sorted({leg.role for leg in stuck}):
+        yield "role", role, (lambda leg, r=role: leg.role == r), f"are {role} legs"
+    for peer in sorted({leg.peer for leg in stuck if leg.peer}):
+        owner = next((leg.peer_owner for leg in stuck if leg.peer == peer and leg.peer_owner), None)
+        named = f"{owner}'s {peer}" if owner else peer
+        yield "peer", peer, (lambda leg, p=peer: leg.peer == p), f"talk to {named}"
+    ended = sorted({leg.peer_owner or "?" for leg in stuck if leg.peer_ended})
+    if ended:
+        yield ("peer_process", "ended", lambda leg: leg.peer_ended,
+               f"talk to a process of {', '.join(ended)} that has since ended (an agent from before a restart)")
+    for name, at in sorted(restarts.items()):
+        yield ("arrived", f"after {name} restarted",
+               (lambda leg, t=at: leg.arrived_s is not None and leg.arrived_s >= t),
+               f"arrived after {name}'s latest restart")
+        yield ("arrived", f"before {name} restarted",
+               (lambda leg, t=at: leg.arrived_s is not None and leg.arrived_s < t),
+               f"arrived before {name}'s latest restart")
+    if any(leg.error for leg in stuck):
+        yield "engine_error", "recorded", (lambda leg: leg.error), "carry an error their engine recorded"
+    for cut in _prompt_cuts(stuck, flowing):
+        yield ("prompt_tokens", f">= {cut}", (lambda leg, t=cut: leg.prompt_tokens is not None and leg.prompt_tokens >= t),
+               f"have prompts of {cut} tokens or more")
+        yield ("prompt_tokens", f"< {cut}", (lambda leg, t=cut: leg.prompt_tokens is not None and leg.prompt_tokens < t),
+               f"have prompts under {cut} tokens")
+
+
+def _prompt_cuts(stuck: list[LegFacts], flowing: list[LegFacts], n: int = 20) -> list[int]:
+    """A few cut points worth testing: the stuck legs' shortest and longest prompts, and quantiles."""
+    lengths = sorted(leg.prompt_tokens for leg in (*stuck, *flowing) if leg.prompt_tokens is not None)
+    if len(set(lengths)) < 2:
+        return []
+    ends = [leg.prompt_tokens for leg in stuck if leg.prompt_tokens is not None]
+    cuts = {lengths[len(lengths) * i // n] for i in range(1, n)}
+    if ends:
+        cuts |= {min(ends), max(ends) + 1}
+    return sorted(c for c in cuts if lengths[0] < c <= lengths[-1])
+
+
+def contrast(stuck: list[LegFacts], flowing: list[LegFacts], restarts: dict[str, float] | None = None,
+             *, top: int = TOP, clear: float = CLEAR_SEPARATION) -> list[Contrast]:
+    """The attributes that separate stuck from flowing legs best, best first; empty when none does clearly.
+
+    `restarts`: instance -> its latest restart (sidecar clock, Unix seconds)."""
+    if not stuck or not flowing:
+        return []  # nothing flows (or nothing is stuck): there is no contrast to draw
+    found: dict[tuple[str, str], Contrast] = {}
+    for attribute, value, has, doing in _candidates(stuck, flowing, restarts or {}):
+        s = sum(1 for leg in stuck if has(leg))
+        f = sum(1 for leg in flowing if has(leg))
+        item = Contrast(attribute, value, s / len(stuck), f / len(flowing), s, len(stuck), f, len(flowing),
+                        f"{s} of {len(stuck)} stuck legs {doing}; {f} of {len(flowing)} flowing legs do")
+        if item.separation >= clear:
+            found[(attribute, value)] = item
+    # Of the prompt cuts keep the best one: the rest say the same less well.
+    best = sorted(found.values(), key=lambda x: (-x.separation, x.attribute, x.value))
+    out, cut_seen = [], False
+    for item in best:
+        if item.attribute == "prompt_tokens":
+            if cut_seen:
+                continue
+            cut_seen = True
+        out.append(item)
+    return out[:top]
