@@ -57,6 +57,24 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
         family="engine_silent",
     ),
     Scenario(
+        "freeze-loop",
+        "from restart_at decode-0's scheduler thread blocks at its next batch, as in a collective that "
+        "never completes, while its process lives on and heartbeats; its legs stop, decode-1 keeps serving",
+        shape=_in_flight_shape,
+        actions=lambda params: [(params.restart_at, "freeze_loop", "decode-0")],
+        expects_stuck=True,
+        family="collective_desync",
+    ),
+    Scenario(
+        "long-forward",
+        "like healthy, but three times decode-0's scheduler stands still for 1.5 s inside a batch, as in a "
+        "long forward pass: a loop stall shorter than the loop rule, so nothing is stuck",
+        shape=default_shape,
+        actions=lambda params: [
+            (params.restart_at + 10 * i + dt, action, "decode-0")
+            for i in range(3) for dt, action in ((0.0, "freeze_loop"), (1.5, "thaw_loop"))],
+    ),
+    Scenario(
         "transfer-wedge",
         "from restart_at the prefill's NIXL writes to decode-0 never complete (the transport answers PROC "
         "for ever): SGLang's KV sender keeps polling, the prefill leg stays in its inflight queue and the "

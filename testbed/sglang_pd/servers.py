@@ -43,6 +43,9 @@ CPU_FLAGS = (
     "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
     "--disable-cuda-graph", "--disable-overlap-schedule", "--sleep-on-idle",
     "--dtype", "bfloat16", "--tp", "1",
+    # SGLang's watchdog kills a server whose scheduler sits in one batch for 300 s; the
+    # freeze-loop fault does exactly that on purpose, for as long as a test wants.
+    "--watchdog-timeout", "3600",
 )
 
 

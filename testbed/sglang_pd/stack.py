@@ -232,13 +232,31 @@ class SglangStack(StackBase):
         return self._event("restart", instance=instance, t=t, old_agent=old_agent,
                            new_agent=self.agents().get(instance), ready_after_s=round(time.time() - t, 3))
 
+    def _write_faults(self, key: str, instances: list[str]) -> None:
+        """Set one fault of the CPU support plugin's fault file, keeping the others."""
+        path = self.state_dir / "faults.json"
+        try:
+            faults = json.loads(path.read_text())
+        except (OSError, ValueError):
+            faults = {}
+        faults[key] = instances
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(faults))
+        os.replace(tmp, path)
+
     def _action_wedge(self, instance: str) -> None:
         """From now on the prefill's NIXL writes to this decode's agent never complete."""
-        path = self.state_dir / "faults.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"wedge_instances": [instance]}))
-        os.replace(tmp, path)
+        self._write_faults("wedge_instances", [instance])
         self._event("wedge", instance=instance, agent=self.agents().get(instance))
+
+    def _action_freeze_loop(self, instance: str) -> None:
+        """From now on this server's scheduler thread blocks at its next batch (heartbeats go on)."""
+        self._write_faults("freeze_instances", [instance])
+        self._event("loop_frozen", instance=instance)
+
+    def _action_thaw_loop(self, instance: str) -> None:
+        self._write_faults("freeze_instances", [])
+        self._event("loop_thawed", instance=instance)
 
     # ---- stop ------------------------------------------------------------------
 

@@ -148,6 +148,20 @@ def test_prefill_transfers_carry_bytes_backend_and_the_decode_agent(healthy):
                                                                       decode_agents)
 
 
+def test_each_server_names_the_ids_its_peers_know_it_by(healthy):
+    run, _extra, world = healthy
+    ids = {name: set(inst["ranks"][0]["peer_ids"]) for name, inst in instances(run).items()}
+    for name in ("decode-0", "decode-1"):
+        assert run.agents[name] in ids[name], (name, ids[name])  # the NIXL agent the prefill writes to
+    bootstrap = f"127.0.0.1:{run.stack.servers['prefill-0'].ports.bootstrap}"
+    assert {bootstrap, run.agents["prefill-0"]} <= ids["prefill-0"], ids["prefill-0"]
+    # A decode leg names its prefill by the bootstrap address: one of the prefill's ids.
+    decode_peers = {s.attrs.get(c.A_PEER) for s in world.receiver.named(c.SPAN_LEG)
+                    if s.resource.get(c.R_CLUSTER) == run.cluster and s.attrs.get(c.A_ROLE) == "decode"
+                    and not s.attrs.get(c.A_PROBE)}
+    assert decode_peers == {bootstrap}, decode_peers
+
+
 def test_without_a_traceparent_both_legs_share_the_room_hash(healthy):
     run, extra, world = healthy
     assert len(extra.get("no_traceparent", [])) == 3
@@ -297,6 +311,8 @@ def test_decode_restart_names_the_requests_routed_to_the_dead_decode(decode_rest
     assert len(hung & named) >= len(in_router)
     assert {(s["role"], s["stage"], s["pd_instance"]) for s in last["stuck"]} == {("prefill", "bootstrap",
                                                                                     "prefill-0")}
+    # The legs in flight at the kill ended failed on their own: none was ever stuck on evidence.
+    assert {s["reason"] for s in run.stuck_ever()} <= {c.REASON_THRESHOLD}, run.stuck_ever()[:3]
     families = {d["family"] for d in last["diagnosis"]}
     findings = {f["family"] for d in last["diagnosis"] for f in d.get("findings", [])}
     assert "bootstrap_wedge" in families and "restart_skew" in findings, (families, findings)
@@ -378,3 +394,67 @@ def test_transfer_wedge_is_diagnosed_and_pages(transfer_wedge):
     t, alert = pages[0]
     assert alert["labels"]["stage"] == "transfer" and alert["labels"]["severity"] == "critical"
     print(f"page {t - run.event('wedge')['t']:.1f} s after the wedge")
+
+
+# ---- freeze-loop: a scheduler that stops while its process heartbeats (contract section 5b) -----
+
+
+@pytest.fixture(scope="module")
+def freeze_loop(live_world):
+    def until(run) -> bool:
+        frozen = run.event("loop_frozen")
+        paged = any(a["labels"].get("cluster") == run.cluster
+                    for _t, _p, a in live_world.monitoring.webhook.alerts(HEADLINE))
+        return frozen is not None and paged and time.time() > frozen["t"] + 25
+
+    run = run_live(live_world, "freeze-loop", seconds=80.0, rate=2.0, restart_at=8.0, until=until)
+    return run, live_world
+
+
+def test_a_frozen_loop_is_named_on_evidence_within_seconds(freeze_loop):
+    run, _world = freeze_loop
+    frozen = run.event("loop_frozen")
+    assert frozen is not None, run.events
+    first = run.first(lambda p: any(s["reason"] == c.REASON_LOOP_FROZEN for s in p["stuck"]))
+    assert first is not None, run.stuck_ever()[:3]
+    # The rule: no progress for more than 2 heartbeat intervals, seen at heartbeats; then one judge tick.
+    named_after = first["t"] - frozen["t"]
+    print(f"frozen loop named {named_after:.1f} s after the freeze")
+    assert named_after <= 4 * HEARTBEAT_S + 1.5, named_after
+    legs = [s for s in first["stuck"] if s["reason"] == c.REASON_LOOP_FROZEN]
+    assert {s["pd_instance"] for s in legs} == {"decode-0"}
+    assert all(s["stage_age_s"] < s["threshold_s"] for s in legs)  # long before any threshold
+    assert instances(run)["decode-0"]["up"] and instances(run)["decode-0"]["loop_frozen"]
+    assert ok_after(run, frozen["t"] + 1), "decode-1 stopped serving too"
+
+
+def test_a_frozen_loop_is_diagnosed_from_the_loop_and_pages_within_20_s(freeze_loop):
+    run, world = freeze_loop
+    frozen = run.event("loop_frozen")
+    verdicts = [d for p in run.polls if p["t"] > frozen["t"] for d in p["diagnosis"]]
+    assert verdicts and verdicts[-1]["family"] == "collective_desync", [v["family"] for v in verdicts][-5:]
+    assert any("would confirm" in e for e in verdicts[-1]["evidence"])  # no GPU telemetry on this CPU
+    pages = [t for t, _p, a in world.monitoring.webhook.alerts(HEADLINE) if a["labels"].get("cluster") == run.cluster]
+    assert pages, [a["labels"] for a in world.monitoring.firing()]
+    print(f"page {pages[0] - frozen['t']:.1f} s after the freeze")
+    assert pages[0] - frozen["t"] <= 20
+
+
+# ---- long-forward: loop stalls shorter than the rule are no evidence ------------------------------
+
+
+@pytest.fixture(scope="module")
+def long_forward(live_world):
+    def until(run) -> bool:
+        thawed = [e for e in run.events if e["event"] == "loop_thawed"]
+        return len(thawed) == 3 and time.time() > thawed[-1]["t"] + 8
+
+    return run_live(live_world, "long-forward", seconds=45.0, rate=2.0, restart_at=8.0, until=until)
+
+
+def test_loop_stalls_shorter_than_the_rule_name_nothing(long_forward):
+    run = long_forward
+    assert len([e for e in run.events if e["event"] == "loop_thawed"]) == 3, run.events
+    assert not run.stuck_ever(), run.stuck_ever()[:3]
+    assert not run.families(), run.families()
+    assert all(r.outcome == "ok" for r in run.truth.requests if r.done_at)

@@ -13,6 +13,12 @@ three things, none of them in pdwatch's own hooks:
   decode's agent are never posted and their state reads `PROC` for ever, as a
   transfer to a wedged peer does. SGLang's KV sender keeps polling, the
   request stays in its inflight queue; nothing in SGLang times it out.
+- the `freeze-loop` fault, in SGLang's own scheduler: while the fault file
+  names this server's instance, its scheduler thread blocks at the start of
+  its next batch (`Scheduler.run_batch`), as a rank blocks in a collective or
+  a kernel that never completes; its other threads (pdwatch's recorder and its
+  heartbeats, NIXL, the bootstrap server) keep running. Taking the name out of
+  the file lets the batch run on: a stall of any length.
 
 Every process also reports its NIXL agent name and KV rank port to the
 testbed's state folder, so the testbed can name a decode's agent.
@@ -42,6 +48,7 @@ def plugin() -> None:
     mgr = "sglang.srt.disaggregation.nixl.conn.NixlKVManager.__init__"
     HookRegistry.register(mgr, _kv_pool_in_dram, HookType.BEFORE)
     HookRegistry.register(mgr, _report_agent, HookType.AFTER)
+    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.run_batch", _maybe_freeze, HookType.BEFORE)
     _slow_progress_thread()
     _install_wedge()
 
@@ -53,6 +60,47 @@ def _kv_pool_in_dram(self, args, *rest, **kwargs):
 
 def _state_dir() -> str | None:
     return os.environ.get(STATE_DIR_ENV) or None
+
+
+def _faults() -> dict:
+    folder = _state_dir()
+    if folder is None:
+        return {}
+    try:
+        with open(os.path.join(folder, FAULT_FILE)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+class _Freeze:
+    """Whether this process's instance is frozen, read from the fault file at most every 0.2 s."""
+
+    def __init__(self) -> None:
+        self.instance = os.environ.get("PDWATCH_INSTANCE", "")
+        self._checked = 0.0
+        self._frozen = False
+
+    def frozen(self) -> bool:
+        now = time.monotonic()
+        if now - self._checked >= 0.2:
+            self._checked = now
+            self._frozen = self.instance in _faults().get("freeze_instances", ())
+        return self._frozen
+
+
+FREEZE = _Freeze()
+
+
+def _maybe_freeze(self, *args, **kwargs):
+    """BEFORE Scheduler.run_batch: block the scheduler thread while the fault lasts (returns None)."""
+    if not FREEZE.frozen():
+        return None
+    log.warning("pdwatch testbed fault: %s's scheduler loop blocks in run_batch", FREEZE.instance)
+    while FREEZE.frozen():
+        time.sleep(0.1)  # releases the GIL: every other thread of the server runs on
+    log.warning("pdwatch testbed fault: %s's scheduler loop runs again", FREEZE.instance)
+    return None
 
 
 def _report_agent(result, self, *args, **kwargs):
@@ -121,8 +169,7 @@ class _Wedge:
         if mtime != self._mtime:
             self._mtime = mtime
             try:
-                with open(path) as f:
-                    wanted = json.load(f).get("wedge_instances", [])
+                wanted = _faults().get("wedge_instances", [])
                 names = set()
                 for instance in wanted:
                     with open(os.path.join(folder, f"agent-{instance}.json")) as f:
