@@ -135,7 +135,11 @@ GROUPS = (
                 + ". The oldest has been there "
                 + _scalar("max(pdwatch_oldest_stage_age_seconds{cluster=%q,role=%q,stage=%q,pd_instance=%q})",
                           "$labels.cluster", "$labels.role", "$labels.stage", "$labels.pd_instance")
-                + ". Their trace ids and reasons are in pdwatch_stuck_request_info and the sidecar's /api/v1/stuck."
+                + ". What sets the cluster's stuck legs apart from those that flow: "
+                + _list('topk(3, pdwatch_stuck_contrast_ratio{cluster=%q,legs="stuck"})', "$labels.cluster",
+                        item="{{ .Labels.attribute }} {{ .Labels.value }} ({{ . | value | humanizePercentage }} of them)")
+                + "(pdwatch diagnose shows the flowing legs' share). Their trace ids and reasons are in "
+                "pdwatch_stuck_request_info and the sidecar's /api/v1/stuck."
             ),
         ),
         Alert(

@@ -17,6 +17,7 @@ from dataclasses import replace
 
 from pdwatch import contract as c
 
+from .capture import StackCapture
 from .contrast import LegFacts, contrast
 from .diagnosis.classify import REPORT_AT, classify, verdict
 from .diagnosis.from_evaluation import gather
@@ -45,6 +46,7 @@ class Judge:
         gpu_map: dict[str, Owner] | None = None,
         on_stuck: Callable[[Sequence[StuckLeg], dict[str, str | None]], None] | None = None,
         history: History | None = None,
+        capture: StackCapture | None = None,
     ):
         self.tracker = tracker
         self.durations = durations
@@ -52,6 +54,9 @@ class Judge:
         self.owners = OwnerMemory(gpu_map or {})
         self.on_stuck = on_stuck
         self.history = history
+        self.capture = capture
+        self._had_stuck: set[tuple[str, str]] = set()
+        self._had_frozen: set[tuple[str, str]] = set()
         self.latest: Evaluation = EMPTY
         self._seq = 0
 
@@ -75,12 +80,14 @@ class Judge:
             gpu_up=gpu_up, gpu_reason=reason, gpu_sampled_at=sampled_at, gpus=gpus, diagnosis=(),
         )
         contrasts = self._contrasts(stuck_legs, now)
+        self._ask_for_stacks(stuck, frozen)
         verdicts, confidences = [], {}
         for facts in gather(ev):
             findings = classify(facts)
             confidences[facts.cluster] = {f.family: round(f.confidence, 2) for f in findings}
             verdicts.append({**verdict(facts, findings),
-                             "contrast": [x.as_dict() for x in contrasts.get(facts.cluster, ())]})
+                             "contrast": [x.as_dict() for x in contrasts.get(facts.cluster, ())],
+                             "captures": self.capture.captures(facts.cluster) if self.capture is not None else []})
         ev = replace(ev, diagnosis=tuple(verdicts), confidences=confidences)
         self.latest = ev
         if self.history is not None:
@@ -234,6 +241,23 @@ class Judge:
             offset_ns=inc.offset_ns() if inc is not None else 0, prompt_tokens=leg.prompt_tokens,
             error=leg.error, incarnation=inc.id if inc is not None else None, arrive_ns=leg.arrive_ns,
         )
+
+    # ---- where they are blocked ---------------------------------------------------------------
+
+    def _ask_for_stacks(self, stuck: tuple[StuckLeg, ...], frozen: dict) -> None:
+        """An instance that just got stuck legs, or whose loop just froze: its ranks' stacks, once."""
+        if self.capture is None or not self.capture.enabled:
+            return
+        now_stuck = {(s.cluster, s.pd_instance) for s in stuck}
+        now_frozen = set(frozen)
+        for key in sorted((now_stuck - self._had_stuck) | (now_frozen - self._had_frozen)):
+            inst = self.tracker.instances.get(key)
+            if inst is None:
+                continue
+            reason = "its scheduler loop froze" if key in now_frozen else "it has stuck legs"
+            self.capture.want(inst.cluster, inst.name, reason,
+                              [(inc.rank, inc.pid, inc.host) for inc in inst.ranks.values()])
+        self._had_stuck, self._had_frozen = now_stuck, now_frozen
 
     # ---- what sets the stuck legs apart ----------------------------------------------------
 

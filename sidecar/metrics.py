@@ -144,6 +144,17 @@ class EvaluationCollector:
             info.add_metric([s.cluster, s.role, s.stage, s.pd_instance, s.trace_id, s.rid, s.reason], round(s.age_s, 3))
         yield info
 
+        contrast = GaugeMetricFamily(
+            "pdwatch_stuck_contrast_ratio",
+            "What sets a cluster's stuck legs apart: for each attribute that separates them clearly from the legs "
+            "that finished ok in the flow window, the share of stuck (legs=\"stuck\") and of flowing legs that have it.",
+            labels=[c.L_CLUSTER, "attribute", "value", "legs"])
+        for v in ev.diagnosis:
+            for item in v.get("contrast", ()):
+                for side in ("stuck", "flowing"):
+                    contrast.add_metric([v["cluster"], item["attribute"], item["value"], side], item[side])
+        yield contrast
+
         flowing = _gauge(c.CLUSTER_FLOWING, "1 when some leg of the cluster finished ok within the flow window.")
         for cluster, value in sorted(ev.flowing.items()):
             flowing.add_metric([cluster], 1 if value else 0)

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from . import forward
+from .capture import StackCapture
 from .diagnosis.collector import DiagnosisCollector
 from .evaluation import Evaluation
 from .gpu.collector import GpuCollector
@@ -48,15 +49,19 @@ class Sidecar:
         self.gpu = GpuSampler(settings.gpu_interval_s, settings.nvml, library=nvml_library)
         self.forwarder = forward.from_settings(settings.forward_otlp_endpoint, **(forward_options or {}))
         self.history = History()
+        hosts = tuple(h.strip() for h in settings.capture_hosts.split(",") if h.strip()) or None
+        self.capture = StackCapture(settings.capture, every_s=settings.capture_every_s,
+                                    timeout_s=settings.capture_timeout_s, hosts=hosts)
         self.judge = Judge(self.tracker, durations=self.durations, gpu=self.gpu,
                            gpu_map=parse_gpu_map(settings.gpu_map),
                            on_stuck=self.forwarder.stuck if self.forwarder is not None else None,
-                           history=self.history)
+                           history=self.history, capture=self.capture)
         self.worker = Worker(self.judge.tick, settings.evaluate_interval_s)
         self.guard = IngestGuard(settings.max_rss_bytes)
         self.registry = CollectorRegistry(auto_describe=False)
         for collector in (EvaluationCollector(self.latest), DurationCollector(self.latest), GpuCollector(self.latest),
-                          DiagnosisCollector(self.latest), GuardCollector(self.guard), WorkerCollector(self.worker)):
+                          DiagnosisCollector(self.latest), GuardCollector(self.guard), WorkerCollector(self.worker),
+                          CaptureCollector(self.capture)):
             self.registry.register(collector)
         if self.forwarder is not None:
             self.registry.register(forward.ForwardCollector(self.forwarder))
@@ -87,6 +92,24 @@ class Sidecar:
         """Run the judge's tick at once, on its thread (tests, and the demo's final word)."""
         self.worker.tick_now()
         return self.latest()
+
+
+class CaptureCollector:
+    """pdwatch_stack_captures_total{result}: what the stack capture did, and why it did not."""
+
+    def __init__(self, capture: StackCapture):
+        self.capture = capture
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily("pdwatch_stack_captures", "Stack captures of engine processes, by result: "
+                                     "taken, failed, rate_limited, dropped (queue full), not_local (no PID of this "
+                                     "host).", labels=["result"])
+        for result, n in self.capture.counts.items():
+            family.add_metric([result], n)
+        yield family
 
 
 class WorkerCollector:

@@ -59,6 +59,14 @@ class Settings(BaseSettings):
         "resident memory above which ingest answers 503 with Retry-After until it falls again; 0 = no limit"))
     evaluate_interval_s: float = Field(0.5, gt=0, allow_inf_nan=False,
                                        description="how often the judge runs (stuck rule, evidence, diagnosis), seconds")
+    capture: Literal["off", "py-spy"] = Field("off", description=(
+        "py-spy: take the Python stacks of an engine's ranks (same host, reported PIDs) when it first has "
+        "stuck legs or its loop freezes; off: never"))
+    capture_every_s: float = Field(600.0, gt=0, allow_inf_nan=False,
+                                   description="at most one stack capture per instance this often, seconds")
+    capture_timeout_s: float = Field(10.0, gt=0, allow_inf_nan=False, description="longest one py-spy dump may take")
+    capture_hosts: str = Field("", description=(
+        "comma-separated host.name values whose engines' PIDs this sidecar may read; empty: its own hostname"))
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
 
     @field_validator("forward_otlp_endpoint")

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import httpx
 
+from pdwatch import contract as c
+
 from .facts import ClusterFacts, GpuFacts, InstanceFacts
 
-FLOW_WINDOW_S = 60
+FLOW_WINDOW_S = c.DEFAULT_FLOW_WINDOW_S
 
 
 class PrometheusError(RuntimeError):
@@ -33,7 +35,7 @@ def _query(client: httpx.Client, expr: str) -> list[tuple[dict, float]]:
 
 
 def gather(url: str, *, timeout_s: float = 10.0, headers: dict | None = None,
-           window_s: int = FLOW_WINDOW_S) -> list[ClusterFacts]:
+           window_s: float = FLOW_WINDOW_S) -> list[ClusterFacts]:
     with httpx.Client(base_url=url.rstrip("/"), timeout=timeout_s, headers=headers) as client:
         q = lambda expr: _query(client, expr)  # noqa: E731
         window = f"{int(window_s)}s"
@@ -78,6 +80,16 @@ def gather(url: str, *, timeout_s: float = 10.0, headers: dict | None = None,
             inst.open_legs = int(v)
         for m, v, inst in each("sum by (cluster, role, stage, pd_instance) (pdwatch_stuck_requests) > 0"):
             inst.stuck[m.get("stage", "")] = int(v)
+        # Contract section 5b: the frozen loops and the legs stuck on evidence.
+        for _m, v, inst in each("max by (cluster, pd_instance) (pdwatch_engine_loop_frozen)"):
+            inst.loop_frozen = v >= 1
+        evidence = "sum by (cluster, role, stage, pd_instance, reason) (pdwatch_stuck_evidence_requests) > 0"
+        for m, v, inst in each(evidence):
+            reason = m.get("reason", "")
+            inst.evidence[reason] = inst.evidence.get(reason, 0) + int(v)
+            cf = cluster(m.get("cluster", ""))
+            key = (m.get("role", ""), m.get("stage", ""), reason)
+            cf.evidence[key] = cf.evidence.get(key, 0) + int(v)
         for m, v in q("max by (cluster, role, stage) (pdwatch_oldest_stage_age_seconds) and on (cluster, role, stage) "
                       "sum by (cluster, role, stage) (pdwatch_stuck_requests) > 0"):
             cluster(m.get("cluster", "")).oldest_stuck_age_s[(m.get("role", ""), m.get("stage", ""))] = v
@@ -105,3 +117,23 @@ def gather(url: str, *, timeout_s: float = 10.0, headers: dict | None = None,
                 cf.stuck[(inst.role, stage)] = cf.stuck.get((inst.role, stage), 0) + n
             cf.gpu_telemetry_up = any_up
         return list(clusters.values())
+
+
+def contrasts(url: str, *, timeout_s: float = 10.0, headers: dict | None = None) -> dict[str, list[dict]]:
+    """Per cluster, what the sidecars say sets its stuck legs apart (pdwatch_stuck_contrast_ratio), best first."""
+    with httpx.Client(base_url=url.rstrip("/"), timeout=timeout_s, headers=headers) as client:
+        rows = _query(client, "max by (cluster, attribute, value, legs) (pdwatch_stuck_contrast_ratio)")
+    items: dict[tuple[str, str, str], dict] = {}
+    for m, v in rows:
+        key = (m.get("cluster", ""), m.get("attribute", ""), m.get("value", ""))
+        item = items.setdefault(key, {"attribute": key[1], "value": key[2], "stuck": 0.0, "flowing": 0.0})
+        if m.get("legs") in ("stuck", "flowing"):
+            item[m["legs"]] = v
+    out: dict[str, list[dict]] = {}
+    for (cluster, _a, _v), item in items.items():
+        item["separation"] = round(item["stuck"] - item["flowing"], 3)
+        out.setdefault(cluster, []).append(item)
+    for listed in out.values():
+        listed.sort(key=lambda x: -x["separation"])
+    return out
+

@@ -56,7 +56,8 @@ EVIDENCE = {
 @pytest.fixture(scope="module")
 def sidecar(tmp_path_factory):
     gpus = GpuEmulator.for_demo(tmp_path_factory.mktemp("gpus"), count=8)
-    with SidecarProcess(env=sidecar_env(gpus)) as sc:
+    # Stack capture on: the testbed's engines run on this host, under PIDs the sidecar can read.
+    with SidecarProcess(env=sidecar_env(gpus, PDWATCH_CAPTURE="py-spy")) as sc:
         yield sc, gpus
 
 
@@ -104,6 +105,13 @@ def test_fault_gets_its_family(sidecar, name):
         # Others kept flowing while decode-0 was frozen.
         assert any(r.decode == "decode-1" and r.outcome == "ok" and r.done_at > run.fault_at
                    for r in run.truth.requests)
+    if name == "tp-desync":
+        # Where it is blocked: decode-0's leader waits in the per-step collective (testbed/tp.py).
+        captures = [cap for cap in final.get("captures", []) if cap["pd_instance"] == "decode-0"]
+        assert captures and not any(cap["error"] for cap in captures), captures
+        leader = next(cap for cap in captures if cap["tp_rank"] == 0)
+        assert "sync (tp.py:" in leader["stacks"], leader["stacks"][:2000]  # TpLeader.sync
+        assert "its scheduler loop froze" in leader["reason"] or "stuck legs" in leader["reason"]
     if name == "kv-starvation":
         assert any(r.decode == "decode-0" and r.outcome == "ok" and r.done_at > run.fault_at
                    for r in run.truth.requests), "decode-0's running requests should have kept finishing"
