@@ -44,6 +44,7 @@ class Contrast:
     flowing_n: int
     flowing_of: int
     sentence: str
+    role: str | None = None  # set when the shares are among one role's legs only
 
     @property
     def separation(self) -> float:
@@ -53,7 +54,7 @@ class Contrast:
         return {"attribute": self.attribute, "value": self.value, "stuck": round(self.stuck, 3),
                 "flowing": round(self.flowing, 3), "stuck_legs": [self.stuck_n, self.stuck_of],
                 "flowing_legs": [self.flowing_n, self.flowing_of], "separation": round(self.separation, 3),
-                "sentence": self.sentence}
+                "role": self.role, "sentence": self.sentence}
 
 
 Predicate = Callable[[LegFacts], bool]
@@ -114,13 +115,24 @@ def contrast(stuck: list[LegFacts], flowing: list[LegFacts], restarts: dict[str,
     if not stuck or not flowing:
         return []  # nothing flows (or nothing is stuck): there is no contrast to draw
     found: dict[tuple[str, str], Contrast] = {}
-    for attribute, value, has, doing in _candidates(stuck, flowing, restarts or {}):
-        s = sum(1 for leg in stuck if has(leg))
-        f = sum(1 for leg in flowing if has(leg))
-        item = Contrast(attribute, value, s / len(stuck), f / len(flowing), s, len(stuck), f, len(flowing),
-                        f"{s} of {len(stuck)} stuck legs {doing}; {f} of {len(flowing)} flowing legs do")
-        if item.separation >= clear:
-            found[(attribute, value)] = item
+    # All legs, and each role's apart: a fault of one side shows clearest among that side's legs.
+    scopes: list[str | None] = [None, *sorted({leg.role for leg in stuck})]
+    for role in scopes:
+        s_legs = [leg for leg in stuck if role is None or leg.role == role]
+        f_legs = [leg for leg in flowing if role is None or leg.role == role]
+        if not s_legs or not f_legs:
+            continue
+        legs = f"{role} legs" if role else "legs"
+        for attribute, value, has, doing in _candidates(s_legs, f_legs, restarts or {}):
+            if role is not None and attribute == "role":
+                continue
+            s = sum(1 for leg in s_legs if has(leg))
+            f = sum(1 for leg in f_legs if has(leg))
+            item = Contrast(attribute, value, s / len(s_legs), f / len(f_legs), s, len(s_legs), f, len(f_legs),
+                            f"{s} of {len(s_legs)} stuck {legs} {doing}; {f} of {len(f_legs)} flowing {legs} do", role)
+            old = found.get((attribute, value))
+            if item.separation >= clear and (old is None or item.separation > old.separation):
+                found[(attribute, value)] = item
     # Of the prompt cuts keep the best one: the rest say the same less well.
     best = sorted(found.values(), key=lambda x: (-x.separation, x.attribute, x.value))
     out, cut_seen = [], False

@@ -164,7 +164,8 @@ class GpuSampler:
         try:
             import pynvml
         except ImportError as exc:
-            self._publish(GpuSnapshot(False, f"nvidia-ml-py is not installed ({exc})", (), None, None))
+            self._publish(GpuSnapshot(False, f"nvidia-ml-py is not installed: pip install 'pdwatch[gpu]' ({exc})",
+                                      (), None, None))
             return False
         if self._library is not None:
             # pynvml opens "libnvidia-ml.so.1" by soname; once a library with that
