@@ -9,8 +9,12 @@ from __future__ import annotations
 import heapq
 import random
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdwatch import contract as c
+
+if TYPE_CHECKING:
+    from opentelemetry.util.types import AttributeValue
 
 MAX_ERROR = 256  # characters of an error kept per leg: enough to read, bounded
 
@@ -29,7 +33,7 @@ class Leg:
     stage_since_ns: int = 0
     # Transfer detail (bytes, backend), kept until the transfer stage ends: SGLang queues KV
     # chunks while the leg is still in prefill, before it enters transfer.
-    xfer_attrs: dict = field(default_factory=dict)
+    xfer_attrs: dict[str, int | str] = field(default_factory=dict)
     tokens: int = 0
     last_token_ns: int = 0
     probe: bool = False  # the engine's own warm-up or health check
@@ -42,7 +46,7 @@ class StageDone:
     stage: str
     start_ns: int
     end_ns: int
-    attrs: dict
+    attrs: dict[str, int | str]
     error: str | None  # reason when the stage ended in failure
 
 
@@ -53,6 +57,9 @@ class LegDone:
     outcome: str
     reason: str | None
     output_tokens: int
+
+
+Piece = StageDone | LegDone  # what a record completes: span pieces for otel_export
 
 
 def trace_id_for(traceparent: str | None, room: int | None) -> tuple[int, int | None]:
@@ -81,8 +88,9 @@ class LegTable:
 
     # Each apply_* returns the span pieces the record completed (maybe none).
 
-    def arrive(self, rid: str, ts: int, room, traceparent, prompt_tokens, peer, probe=False) -> list:
-        done: list = []
+    def arrive(self, rid: str, ts: int, room: int | None, traceparent: str | None, prompt_tokens: int | None,
+               peer: str | None, probe: bool = False) -> list[Piece]:
+        done: list[Piece] = []
         old = self.open.get(rid)
         if old is not None:
             # A reused rid means the engine forgot the first one: close it.
@@ -114,7 +122,7 @@ class LegTable:
             leg = self.open[rid]
         return leg
 
-    def enter(self, rid: str, ts: int, stage: str) -> list:
+    def enter(self, rid: str, ts: int, stage: str) -> list[Piece]:
         if stage not in self.stages:
             self.unknown_stage += 1
             return []
@@ -126,7 +134,7 @@ class LegTable:
         leg.stage_since_ns = ts
         return done
 
-    def transfer_info(self, rid: str, ts: int, nbytes, backend, peer) -> None:
+    def transfer_info(self, rid: str, ts: int, nbytes: int | None, backend: str | None, peer: str | None) -> None:
         leg = self._leg(rid, ts)
         if nbytes is not None:
             leg.xfer_attrs[c.A_XFER_BYTES] = int(nbytes)
@@ -135,7 +143,7 @@ class LegTable:
         if peer:
             leg.peer = str(peer)
 
-    def error(self, rid: str, text) -> None:
+    def error(self, rid: str, text: object) -> None:
         leg = self.open.get(rid)
         if leg is not None:
             leg.error = str(text)[:MAX_ERROR]
@@ -147,7 +155,7 @@ class LegTable:
             leg.tokens += n
             leg.last_token_ns = ts
 
-    def finish(self, rid: str, ts: int, outcome: str, reason: str | None, output_tokens) -> list:
+    def finish(self, rid: str, ts: int, outcome: str, reason: str | None, output_tokens: int | None) -> list[Piece]:
         leg = self.open.pop(rid, None)
         if leg is None:
             return []
@@ -164,13 +172,13 @@ class LegTable:
         done.append(LegDone(leg, ts, outcome, reason, out))
         return done
 
-    def _close_stage(self, leg: Leg, ts: int, error: str | None) -> list:
+    def _close_stage(self, leg: Leg, ts: int, error: str | None) -> list[Piece]:
         if leg.stage is None:
             return []
         attrs = leg.xfer_attrs if leg.stage == "transfer" else {}
         return [StageDone(leg, leg.stage, leg.stage_since_ns, ts, attrs, error)]
 
-    def inventory(self, limit: int) -> dict:
+    def inventory(self, limit: int) -> dict[str, AttributeValue]:
         """Heartbeat attributes describing what is open, oldest stage entry first."""
         counts = dict.fromkeys(self.stages, 0)
         for leg in self.open.values():
@@ -179,7 +187,7 @@ class LegTable:
         listed = heapq.nsmallest(
             limit, (leg for leg in self.open.values() if leg.stage is not None), key=lambda leg: leg.stage_since_ns
         )
-        attrs: dict = {c.H_OPEN_TOTAL: sum(counts.values())}
+        attrs: dict[str, AttributeValue] = {c.H_OPEN_TOTAL: sum(counts.values())}
         for stage, n in counts.items():
             attrs[c.H_OPEN_COUNT_PREFIX + stage] = n
         attrs[c.H_OPEN_TRACE_IDS] = [f"{leg.trace_id:032x}" for leg in listed]

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
-from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from opentelemetry.trace import NonRecordingSpan, Span, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from opentelemetry.util.types import AttributeValue
 
 from pdwatch import contract as c
 
@@ -76,7 +77,7 @@ class CountingExporter(SpanExporter):
 
 
 def build_resource(cfg: RecorderConfig, instance_id: str, start_ns: int) -> Resource:
-    attrs = {
+    attrs: dict[str, AttributeValue] = {
         c.R_SERVICE_NAME: cfg.service_name,
         c.R_INSTANCE_ID: instance_id,
         c.R_PID: cfg.pid,
@@ -128,7 +129,7 @@ class SpanSink:
         # batch processor's queue; past its size it would drop silently.
         return self.ended - self.exporter.taken >= self.max_queue
 
-    def _end(self, span, end_ns: int) -> None:
+    def _end(self, span: Span, end_ns: int) -> None:
         span.end(end_time=end_ns)
         self.ended += 1
 
@@ -140,7 +141,7 @@ class SpanSink:
         parent = trace.set_span_in_context(
             NonRecordingSpan(SpanContext(leg.trace_id, leg.span_id, False, TraceFlags(TraceFlags.SAMPLED)))
         )
-        attrs = {c.A_ROLE: self.role, c.A_STAGE: piece.stage, c.A_RID: leg.rid}
+        attrs: dict[str, AttributeValue] = {c.A_ROLE: self.role, c.A_STAGE: piece.stage, c.A_RID: leg.rid}
         if leg.room is not None:
             attrs[c.A_ROOM] = leg.room
         if piece.attrs:
@@ -169,7 +170,7 @@ class SpanSink:
             ctx = trace.set_span_in_context(trace.INVALID_SPAN)  # a root, not the caller's context
             self.ids.next_trace_id = leg.trace_id
         self.ids.next_span_id = leg.span_id
-        attrs = {
+        attrs: dict[str, AttributeValue] = {
             c.A_ROLE: self.role,
             c.A_RID: leg.rid,
             c.A_OUTCOME: piece.outcome,
@@ -190,7 +191,7 @@ class SpanSink:
             span.set_status(Status(StatusCode.ERROR, piece.reason or piece.outcome))
         self._end(span, piece.end_ns)
 
-    def heartbeat(self, attrs: dict, now_ns: int) -> bool:
+    def heartbeat(self, attrs: Mapping[str, AttributeValue], now_ns: int) -> bool:
         if self._room_full():
             self.dropped += 1
             return False

@@ -17,19 +17,24 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from opentelemetry.sdk.trace.export import SpanExporter
+from opentelemetry.util.types import AttributeValue
 
 from pdwatch import contract as c
 
 from .config import RecorderConfig
-from .legs import LegDone, LegTable, StageDone
+from .legs import LegDone, LegTable, Piece, StageDone
 from .otel_export import SpanSink, build_resource
 
 log = logging.getLogger("pdwatch.recorder")
 
 # Record kinds in the hot-path buffer.
 _ARRIVE, _ENTER, _XFER, _TOKEN, _FINISH, _COUNTER, _ERROR = range(7)
+# (kind, rid or counter name, timestamp or 0, the kind's argument: one value or a tuple of them)
+_Record = tuple[int, str, int, Any]
 
 __all__ = ["Recorder", "RecorderConfig"]
 
@@ -40,14 +45,14 @@ class Recorder:
         config: RecorderConfig,
         *,
         exporter: SpanExporter | None = None,
-        clock=time.time_ns,
-        environ=None,
-    ):
+        clock: Callable[[], int] = time.time_ns,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
         self.config = cfg = config.resolved(environ)
         self.instance_id = uuid.uuid4().hex
         self.start_ns = clock()
         self._clock = clock
-        self._buf: deque = deque()
+        self._buf: deque[_Record] = deque()
         self._buf_max = cfg.buffer_max
         # Hot-path counters: plain ints written by engine threads, read by the worker.
         self.dropped = 0
@@ -64,45 +69,47 @@ class Recorder:
 
     # ---- engine thread: one append each, never raises -------------------
 
-    def _put(self, record: tuple) -> None:
+    def _put(self, record: _Record) -> None:
         if len(self._buf) >= self._buf_max:
             self.dropped += 1
             return
         self._buf.append(record)
 
-    def arrive(self, rid, *, bootstrap_room=None, traceparent=None, prompt_tokens=None, peer=None,
-               probe=False) -> None:
+    def arrive(self, rid: str, *, bootstrap_room: int | None = None, traceparent: str | None = None,
+               prompt_tokens: int | None = None, peer: str | None = None, probe: bool = False) -> None:
         try:
             self._put((_ARRIVE, rid, self._clock(), (bootstrap_room, traceparent, prompt_tokens, peer, probe)))
         except Exception:
             self.hook_errors += 1
 
-    def enter(self, rid, stage) -> None:
+    def enter(self, rid: str, stage: str) -> None:
         try:
             self._put((_ENTER, rid, self._clock(), stage))
         except Exception:
             self.hook_errors += 1
 
-    def transfer_info(self, rid, *, nbytes=None, backend=None, peer=None) -> None:
+    def transfer_info(self, rid: str, *, nbytes: int | None = None, backend: str | None = None,
+                      peer: str | None = None) -> None:
         try:
             self._put((_XFER, rid, self._clock(), (nbytes, backend, peer)))
         except Exception:
             self.hook_errors += 1
 
-    def leg_error(self, rid, text) -> None:
+    def leg_error(self, rid: str, text: str) -> None:
         """An error the engine met for an open leg without ending it (a KV write it only logged, say)."""
         try:
             self._put((_ERROR, rid, 0, text))
         except Exception:
             self.hook_errors += 1
 
-    def token(self, rid, n=1) -> None:
+    def token(self, rid: str, n: int = 1) -> None:
         try:
             self._put((_TOKEN, rid, 0, n))
         except Exception:
             self.hook_errors += 1
 
-    def finish(self, rid, outcome="ok", *, reason=None, output_tokens=None) -> None:
+    def finish(self, rid: str, outcome: str = "ok", *, reason: str | None = None,
+               output_tokens: int | None = None) -> None:
         try:
             self._put((_FINISH, rid, self._clock(), (outcome, reason, output_tokens)))
         except Exception:
@@ -128,12 +135,14 @@ class Recorder:
 
     def _run(self) -> None:
         cfg = self.config
+        heartbeat_s = cfg.heartbeat_s
+        assert heartbeat_s is not None  # resolved() sets it
         next_beat = time.monotonic()  # first heartbeat at once: the sidecar learns the instance
         while not self._stop.is_set():
             try:
                 self.drain()
                 if time.monotonic() >= next_beat:
-                    next_beat = time.monotonic() + cfg.heartbeat_s
+                    next_beat = time.monotonic() + heartbeat_s
                     self.heartbeat()
             except Exception:
                 self.worker_errors += 1
@@ -176,16 +185,17 @@ class Recorder:
                     log.debug("pdwatch could not apply record %r", kind, exc_info=True)
             return n
 
-    def _emit(self, pieces: list) -> None:
+    def _emit(self, pieces: list[Piece]) -> None:
         for piece in pieces:
             if isinstance(piece, StageDone):
                 self.sink.stage(piece)
             elif isinstance(piece, LegDone):
                 self.sink.leg(piece)
 
-    def heartbeat_attributes(self) -> dict:
+    def heartbeat_attributes(self) -> dict[str, AttributeValue]:
         cfg, legs = self.config, self.legs
-        attrs = {
+        assert cfg.heartbeat_s is not None and cfg.inventory_max is not None  # resolved() sets both
+        attrs: dict[str, AttributeValue] = {
             c.H_SEQ: self.heartbeat_seq,
             c.H_INTERVAL: float(cfg.heartbeat_s),
             c.H_LOOP: self.loop_iterations,
@@ -210,7 +220,7 @@ class Recorder:
         self.heartbeat_seq += 1
         self.sink.heartbeat(self.heartbeat_attributes(), self._clock())
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, int]:
         return {
             "open": len(self.legs.open),
             "completed": self.legs.completed,
@@ -242,6 +252,6 @@ class Recorder:
             log.debug("pdwatch recorder shutdown error", exc_info=True)
 
 
-def from_env(role: str, **overrides) -> Recorder:
+def from_env(role: str, **overrides: Any) -> Recorder:
     """A started recorder configured from the environment (engine adapters)."""
     return Recorder(RecorderConfig(role=role, **overrides), environ=os.environ).start()

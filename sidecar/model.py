@@ -49,18 +49,18 @@ class Incarnation:
     loop_seen_ns: int = 0
     loop_moves: bool = False  # seen to advance at least once: this engine counts its loop
     # (when, seconds) of each loop stall seen while the instance had open legs.
-    stalls: deque = field(default_factory=lambda: deque(maxlen=MAX_STALLS))
+    stalls: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=MAX_STALLS))
     tokens_generated: int = 0
     completed: int = 0
     failed: int = 0
     open_total: int | None = None
     # Sidecar time since which every inventory of this process listed open legs; 0 = idle.
     busy_since_ns: int = 0
-    open_counts: dict = field(default_factory=dict)
+    open_counts: dict[str, int] = field(default_factory=dict)
     # Engine-side counters pdwatch adds beside the contract (pdwatch.*, pd.engine.*).
-    extra: dict = field(default_factory=dict)
-    offsets: deque = field(default_factory=lambda: deque(maxlen=OFFSET_SAMPLES))
-    keys: set = field(default_factory=set)  # open legs this process listed or reported
+    extra: dict[str, float] = field(default_factory=dict)
+    offsets: deque[int] = field(default_factory=lambda: deque(maxlen=OFFSET_SAMPLES))
+    keys: set[tuple[str, str]] = field(default_factory=set)  # open legs this process listed or reported
     down_since_ns: int = 0  # sidecar clock, while the judge finds it down
 
     def offset_ns(self) -> int:
@@ -78,12 +78,12 @@ class Instance:
     cluster: str
     name: str
     role: str
-    ranks: dict = field(default_factory=dict)  # tp_rank -> Incarnation
+    ranks: dict[int, Incarnation] = field(default_factory=dict)  # tp_rank -> Incarnation
     restarts: int = 0
-    restart_times_ns: list = field(default_factory=list)  # sidecar clock, bounded
-    retired: deque = field(default_factory=lambda: deque(maxlen=16))  # old incarnation ids
+    restart_times_ns: list[int] = field(default_factory=list)  # sidecar clock, bounded
+    retired: deque[str] = field(default_factory=lambda: deque(maxlen=16))  # old incarnation ids
     # Sidecar times of recent ok finishes, for "serves others" (bounded: only recency matters).
-    ok_times_ns: deque = field(default_factory=lambda: deque(maxlen=4096))
+    ok_times_ns: deque[int] = field(default_factory=lambda: deque(maxlen=4096))
 
     def finished_ok_since(self, since_ns: int) -> int:
         times = self.ok_times_ns
@@ -121,8 +121,8 @@ class Leg:
     outcome: str | None = None  # None while open, or closed without a leg span ("vanished")
     # Finished stages as flat (stage index, start_ns, end_ns) triples: a compact
     # array instead of a tuple per stage is most of the memory an open leg costs.
-    history: array | None = None
-    errors: dict | None = None  # stage index -> reason, for stages that ended in failure
+    history: array[int] | None = None
+    errors: dict[int, str] | None = None  # stage index -> reason, for stages that ended in failure
     listed_seq: int = -1
     listed_at_ns: int = 0  # sidecar clock of the latest inventory that listed the leg
     error: str | None = None  # the engine's last error for the open leg (pd.open.errors)

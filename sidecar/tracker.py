@@ -86,7 +86,8 @@ class Tracker:
 
     def apply(self, decoded: Decoded) -> Applied:
         """Apply one decoded OTLP request: how many spans were rejected, and a few reasons why."""
-        rejected, messages = 0, []
+        rejected = 0
+        messages: list[str] = []
         now = self.clock()
         self.spans_received += decoded.spans
         self.spans_foreign += decoded.foreign

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from collections.abc import Iterable
 
 from .targets import TARGETS, Target
 
@@ -33,7 +34,7 @@ def problems_with(target: Target) -> list[str]:
     return [f"{target.path}: parameter {p!r} missing" for p in target.params if p not in params]
 
 
-def missing_targets(targets=TARGETS) -> list[str]:
+def missing_targets(targets: Iterable[Target] = TARGETS) -> list[str]:
     out: list[str] = []
     for target in targets:
         out.extend(problems_with(target))

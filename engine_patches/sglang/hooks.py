@@ -14,11 +14,19 @@ bookkeeping; loop ticks and tokens go to `state.rec` on every rank.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, TypeVar
+
 from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
 
 from .state import MAX_PENDING, TRACEPARENT_ATTR, state
+
+if TYPE_CHECKING:
+    from pdwatch.engine_patches.recorder import Recorder
+
+T = TypeVar("T")  # what the original returns, passed on by an AROUND hook
 
 KV_FAILED = KVPoll.Failed
 # Outcome classes for a leg that SGLang ended with an abort-type finish.
@@ -45,21 +53,21 @@ def classify(message: str | None, default: str = "aborted") -> str:
     return default
 
 
-def _failure_reason(kv_conn, room) -> str | None:
+def _failure_reason(kv_conn: Any, room: int | None) -> str | None:
     """The KV manager's recorded failure for a room (NIXL / Mooncake / common)."""
     mgr = getattr(kv_conn, "kv_mgr", None)
-    records = getattr(mgr, "failure_records", None)
+    records: dict[int, str] | None = getattr(mgr, "failure_records", None)
     if records is None or room is None:
         return None
     return records.get(room)
 
 
-def is_probe(rid: str, bootstrap_host) -> bool:
+def is_probe(rid: str, bootstrap_host: Any) -> bool:
     """SGLang's own warm-ups and health checks: a fake bootstrap host, or the health-check rid prefix."""
     return bootstrap_host == FAKE_BOOTSTRAP_HOST or rid.startswith(HEALTH_CHECK_RID_PREFIX)
 
 
-def _arrive(lc, req, stage: str) -> None:
+def _arrive(lc: Recorder, req: Any, stage: str) -> None:
     rid = req.rid
     room = req.bootstrap_room
     host = req.bootstrap_host
@@ -77,7 +85,7 @@ def _arrive(lc, req, stage: str) -> None:
     lc.enter(rid, stage)
 
 
-def _rejected(lc, req) -> None:
+def _rejected(lc: Recorder, req: Any) -> None:
     """A request SGLang refused at intake (over capacity, priority, queue limit).
 
     SGLang has already streamed the abort, before this AFTER hook opened the
@@ -90,7 +98,7 @@ def _rejected(lc, req) -> None:
 
 # ---- process and loop -------------------------------------------------------
 
-def on_scheduler_ready(result, self, *args, **kwargs):
+def on_scheduler_ready(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
     try:
         state.start_for_scheduler(self)
     except Exception:
@@ -98,7 +106,7 @@ def on_scheduler_ready(result, self, *args, **kwargs):
         state.log_start_failure()
 
 
-def on_loop_iteration(self, *args, **kwargs):
+def on_loop_iteration(self: Any, *args: Any, **kwargs: Any) -> None:
     rec = state.rec
     if rec is not None:
         rec.loop_iterations += 1  # Recorder.loop_tick, inlined: once per loop pass
@@ -110,7 +118,7 @@ def on_loop_iteration(self, *args, **kwargs):
 # on the request's time stats, which SGLang pickles to the scheduler; pdwatch's
 # __getstate__ hook adds the note to what is pickled.
 
-def on_request_state(result, self, obj, request=None, *args, **kwargs):
+def on_request_state(result: Any, self: Any, obj: Any, request: Any = None, *args: Any, **kwargs: Any) -> None:
     """HTTP process: the traceparent header, noted on each new request's time stats."""
     if request is None:
         return
@@ -128,7 +136,7 @@ def on_request_state(result, self, obj, request=None, *args, **kwargs):
         state.early_errors += 1
 
 
-def on_time_stats_pickled(result, self, *args, **kwargs):
+def on_time_stats_pickled(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
     """HTTP process: the note travels with the time stats (their __getstate__ drops unknown fields)."""
     try:
         tp = self.__dict__.get(TRACEPARENT_ATTR)
@@ -138,7 +146,7 @@ def on_time_stats_pickled(result, self, *args, **kwargs):
         state.early_errors += 1
 
 
-def on_generate_request(self, recv_req, *args, **kwargs):
+def on_generate_request(self: Any, recv_req: Any, *args: Any, **kwargs: Any) -> None:
     """Scheduler: keep the note until the leg arrives (the Req does not exist yet)."""
     if state.lc is None:
         return
@@ -150,7 +158,7 @@ def on_generate_request(self, recv_req, *args, **kwargs):
         _counted_error()
 
 
-def on_unified_arrival(result, self, req, is_retracted=False, *args, **kwargs):
+def on_unified_arrival(result: Any, self: Any, req: Any, is_retracted: bool = False, *args: Any, **kwargs: Any) -> None:
     lc = state.lc
     if lc is None or state.role != "unified":
         return
@@ -166,7 +174,7 @@ def on_unified_arrival(result, self, req, is_retracted=False, *args, **kwargs):
         _counted_error()
 
 
-def on_prefill_batch(plan, self, *args, **kwargs):
+def on_prefill_batch(plan: Any, self: Any, *args: Any, **kwargs: Any) -> None:
     lc = state.lc
     if lc is None or plan is None:
         return
@@ -179,7 +187,7 @@ def on_prefill_batch(plan, self, *args, **kwargs):
         _counted_error()
 
 
-def on_abort_request(result, self, recv_req, *args, **kwargs):
+def on_abort_request(result: Any, self: Any, recv_req: Any, *args: Any, **kwargs: Any) -> None:
     lc = state.lc
     if lc is None:
         return
@@ -189,7 +197,7 @@ def on_abort_request(result, self, recv_req, *args, **kwargs):
         _counted_error()
 
 
-def on_stream_output(result, self, reqs, *args, **kwargs):
+def on_stream_output(result: Any, self: Any, reqs: Iterable[Any], *args: Any, **kwargs: Any) -> None:
     rec = state.rec
     if rec is None:
         return
@@ -228,7 +236,7 @@ def on_stream_output(result, self, reqs, *args, **kwargs):
 
 # ---- prefill role -------------------------------------------------------------
 
-def on_prefill_bootstrap_add(result, self, req, *args, **kwargs):
+def on_prefill_bootstrap_add(result: Any, self: Any, req: Any, *args: Any, **kwargs: Any) -> None:
     lc = state.lc
     if lc is None:
         return
@@ -241,7 +249,7 @@ def on_prefill_bootstrap_add(result, self, req, *args, **kwargs):
         _counted_error()
 
 
-def _all_queued(result, self, *args, **kwargs):
+def _all_queued(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER a queue pop that hands its requests to the waiting queue: each enters `queued`."""
     lc = state.lc
     if lc is None or not result:
@@ -257,7 +265,7 @@ def _all_queued(result, self, *args, **kwargs):
 on_prefill_bootstrapped = _all_queued
 
 
-def on_prefill_batch_result(original, self, *args, **kwargs):
+def on_prefill_batch_result(original: Callable[..., T], self: Any, *args: Any, **kwargs: Any) -> T:
     lc = state.lc
     before = -1
     if lc is not None:
@@ -266,7 +274,7 @@ def on_prefill_batch_result(original, self, *args, **kwargs):
         except Exception:
             _counted_error()
     result = original(self, *args, **kwargs)
-    if before >= 0:
+    if before >= 0 and lc is not None:
         try:
             backend = state.backend
             for req in self.disagg_prefill_inflight_queue[before:]:
@@ -278,7 +286,7 @@ def on_prefill_batch_result(original, self, *args, **kwargs):
     return result
 
 
-def _finish_failed(lc, req, conn, what: str) -> None:
+def _finish_failed(lc: Recorder, req: Any, conn: Any, what: str) -> None:
     room = req.bootstrap_room
     detail = _failure_reason(conn, room)
     stale = state.stale_note()
@@ -289,7 +297,7 @@ def _finish_failed(lc, req, conn, what: str) -> None:
     state.forget(req)
 
 
-def on_prefill_bootstrap_failure(self, req, *args, **kwargs):
+def on_prefill_bootstrap_failure(self: Any, req: Any, *args: Any, **kwargs: Any) -> None:
     lc = state.lc
     if lc is None:
         return
@@ -299,7 +307,7 @@ def on_prefill_bootstrap_failure(self, req, *args, **kwargs):
         _counted_error()
 
 
-def on_prefill_transfer_failure(self, req, *args, **kwargs):
+def on_prefill_transfer_failure(self: Any, req: Any, *args: Any, **kwargs: Any) -> None:
     lc = state.lc
     if lc is None:
         return
@@ -311,7 +319,8 @@ def on_prefill_transfer_failure(self, req, *args, **kwargs):
 
 # ---- decode role ----------------------------------------------------------------
 
-def on_decode_prealloc_add(result, self, req, is_retracted=False, is_rebootstrap=False, *args, **kwargs):
+def on_decode_prealloc_add(result: Any, self: Any, req: Any, is_retracted: bool = False, is_rebootstrap: bool = False,
+                           *args: Any, **kwargs: Any) -> None:
     lc = state.lc
     if lc is None:
         return
@@ -330,7 +339,7 @@ def on_decode_prealloc_add(result, self, req, is_retracted=False, is_rebootstrap
         _counted_error()
 
 
-def on_decode_transfer_extend(result, self, decode_reqs, *args, **kwargs):
+def on_decode_transfer_extend(result: Any, self: Any, decode_reqs: Iterable[Any], *args: Any, **kwargs: Any) -> None:
     lc = state.lc
     if lc is None:
         return
@@ -344,7 +353,7 @@ def on_decode_transfer_extend(result, self, decode_reqs, *args, **kwargs):
         _counted_error()
 
 
-def on_decode_transfer_add(result, self, decode_req, *args, **kwargs):
+def on_decode_transfer_add(result: Any, self: Any, decode_req: Any, *args: Any, **kwargs: Any) -> None:
     on_decode_transfer_extend(result, self, (decode_req,))
 
 
@@ -352,7 +361,7 @@ def on_decode_transfer_add(result, self, decode_req, *args, **kwargs):
 on_decode_transferred = _all_queued
 
 
-def on_decode_transfer_failure(self, decode_req, *args, **kwargs):
+def on_decode_transfer_failure(self: Any, decode_req: Any, *args: Any, **kwargs: Any) -> None:
     lc = state.lc
     if lc is None:
         return
@@ -362,7 +371,7 @@ def on_decode_transfer_failure(self, decode_req, *args, **kwargs):
         _counted_error()
 
 
-def on_decode_batch(batch, self, *args, **kwargs):
+def on_decode_batch(batch: Any, self: Any, *args: Any, **kwargs: Any) -> None:
     lc = state.lc
     if lc is None or batch is None:
         return
@@ -375,7 +384,7 @@ def on_decode_batch(batch, self, *args, **kwargs):
 
 # ---- KV managers and NIXL ---------------------------------------------------------
 
-def _leg_error(room, reason) -> None:
+def _leg_error(room: int | None, reason: object) -> None:
     """A KV failure the engine recorded for a room: an error of the open leg until the leg ends."""
     lc = state.lc
     rid = state.room_rids.get(room) if room is not None else None
@@ -383,7 +392,7 @@ def _leg_error(room, reason) -> None:
         lc.leg_error(rid, f"KV failure: {reason}")
 
 
-def on_kv_failure(result, self, bootstrap_room, failure_reason, *args, **kwargs):
+def on_kv_failure(result: Any, self: Any, bootstrap_room: int | None, failure_reason: object, *args: Any, **kwargs: Any) -> None:
     rec = state.rec
     if rec is None:
         return
@@ -396,7 +405,7 @@ def on_kv_failure(result, self, bootstrap_room, failure_reason, *args, **kwargs)
         _counted_error()
 
 
-def on_kv_concluded(result, self, *args, bootstrap_room=None, **kwargs):
+def on_kv_concluded(result: Any, self: Any, *args: Any, bootstrap_room: int | None = None, **kwargs: Any) -> None:
     """A room's transfer concluded; a Failed conclusion (the most common NIXL failure, which never
     goes through record_failure) is the leg's error until the scheduler polls it and ends the leg."""
     if state.lc is None or result != KV_FAILED:
@@ -407,8 +416,8 @@ def on_kv_concluded(result, self, *args, bootstrap_room=None, **kwargs):
         _counted_error()
 
 
-def on_nixl_peer_added(original, self, decode_kv_args, *args, **kwargs):
-    replaced = None
+def on_nixl_peer_added(original: Callable[..., T], self: Any, decode_kv_args: Any, *args: Any, **kwargs: Any) -> T:
+    replaced: list[str] | None = None
     try:
         replaced = state.stale_candidates(self.decode_kv_args_table, decode_kv_args)
     except Exception:
@@ -427,7 +436,7 @@ def on_nixl_peer_added(original, self, decode_kv_args, *args, **kwargs):
     return result
 
 
-def on_nixl_peers_invalidated(self, room_transfer_infos, *args, **kwargs):
+def on_nixl_peers_invalidated(self: Any, room_transfer_infos: Any, *args: Any, **kwargs: Any) -> None:
     rec = state.rec
     if rec is None or not room_transfer_infos:
         return
@@ -443,7 +452,7 @@ def on_nixl_peers_invalidated(self, room_transfer_infos, *args, **kwargs):
         _counted_error()
 
 
-def on_nixl_transfer_request(result, self, bootstrap_room, kv_indices, *args, **kwargs):
+def on_nixl_transfer_request(result: Any, self: Any, bootstrap_room: int, kv_indices: Any, *args: Any, **kwargs: Any) -> None:
     lc = state.lc
     if lc is None:
         return

@@ -12,6 +12,11 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from pdwatch.engine_patches.recorder import Recorder
 
 log = logging.getLogger("pdwatch.sglang")
 
@@ -23,8 +28,11 @@ MAX_PENDING = 65536
 TRACEPARENT_ATTR = "pdwatch_traceparent"
 _ROLE = {"null": "unified", "prefill": "prefill", "decode": "decode"}
 
+K = TypeVar("K")
+V = TypeVar("V")
 
-def _bounded_put(d: dict, key, value) -> None:
+
+def _bounded_put(d: dict[K, V], key: K, value: V) -> None:
     if len(d) >= MAX_PENDING:
         d.pop(next(iter(d)))  # oldest insertion first
     d[key] = value
@@ -32,8 +40,8 @@ def _bounded_put(d: dict, key, value) -> None:
 
 class PluginState:
     def __init__(self) -> None:
-        self.rec = None  # every rank: loop ticks, tokens, engine counters
-        self.lc = None  # the bookkeeping rank only: lifecycle calls
+        self.rec: Recorder | None = None  # every rank: loop ticks, tokens, engine counters
+        self.lc: Recorder | None = None  # the bookkeeping rank only: lifecycle calls
         self.role: str | None = None
         self.backend: str | None = None
         self.early_errors = 0  # hook errors before the recorder exists
@@ -46,7 +54,7 @@ class PluginState:
 
     # ---- start-up -----------------------------------------------------------
 
-    def start_for_scheduler(self, scheduler, recorder_factory=None) -> None:
+    def start_for_scheduler(self, scheduler: Any, recorder_factory: Callable[..., Recorder] | None = None) -> None:
         """Create this process's recorder from the scheduler's settings (once)."""
         if self.rec is not None:
             return
@@ -82,7 +90,7 @@ class PluginState:
     def reset(self) -> None:
         """Back to a fresh process (tests)."""
         rec = self.rec
-        self.__init__()
+        type(self).__init__(self)
         if rec is not None:
             rec.shutdown(timeout_s=1.0)
 
@@ -101,7 +109,7 @@ class PluginState:
         self.room_bytes[room] = total
         return total
 
-    def forget(self, req) -> None:
+    def forget(self, req: Any) -> None:
         self.tokens_seen.pop(req.rid, None)
         self.traceparents.pop(req.rid, None)
         room = req.bootstrap_room
@@ -112,16 +120,16 @@ class PluginState:
     # ---- NIXL peers ---------------------------------------------------------------
 
     @staticmethod
-    def bytes_per_index(mgr) -> int:
+    def bytes_per_index(mgr: Any) -> int:
         """Bytes one KV page index moves across all layers (cached on the manager)."""
-        cached = mgr.__dict__.get("_pdwatch_bytes_per_index")
+        cached: int | None = mgr.__dict__.get("_pdwatch_bytes_per_index")
         if cached is None:
             cached = int(sum(mgr.kv_args.kv_item_lens))
             mgr.__dict__["_pdwatch_bytes_per_index"] = cached
         return cached
 
     @staticmethod
-    def stale_candidates(table: dict, new) -> list[str] | None:
+    def stale_candidates(table: dict[str, Any], new: Any) -> list[str] | None:
         """Names in the peer table for the same decode GPU under another name.
 
         None when the peer is already known (SGLang ignores it). A decode that
@@ -147,7 +155,7 @@ class PluginState:
         return "stale NIXL peers: " + ", ".join(f"{o} replaced by {n}" for o, n in pairs)
 
 
-def _parallel_ranks(scheduler) -> tuple[int, int, bool]:
+def _parallel_ranks(scheduler: Any) -> tuple[int, int, bool]:
     try:
         from sglang.srt.runtime_context import get_parallel
 
@@ -161,14 +169,14 @@ def _parallel_ranks(scheduler) -> tuple[int, int, bool]:
     return tp_rank, tp_size, owns
 
 
-def _kv_manager(scheduler, role: str):
+def _kv_manager(scheduler: Any, role: str) -> Any:
     """The scheduler's KV manager (built inside init_disaggregation, so there by the time this runs)."""
     queue = scheduler.disagg_decode_prealloc_queue if role == "decode" else \
         scheduler.disagg_prefill_bootstrap_queue if role == "prefill" else None
     return getattr(queue, "kv_manager", None)
 
 
-def peer_ids(scheduler, role: str) -> tuple[str, ...]:
+def peer_ids(scheduler: Any, role: str) -> tuple[str, ...]:
     """pd.peer_ids: the NIXL agent name prefill writes to (decode) or its own (prefill), and, on a
     prefill, the bootstrap address host:port its decodes name it by (contract section 3)."""
     out: list[str] = []
@@ -215,7 +223,7 @@ def _sglang_version() -> str:
         return ""
 
 
-def gpu_uuids(gpu_id) -> list[str]:
+def gpu_uuids(gpu_id: int | None) -> list[str]:
     """NVML-style UUIDs (GPU-...) of the device this process drives, when CUDA is there."""
     if os.environ.get("PDWATCH_GPU_UUIDS"):
         return [u.strip() for u in os.environ["PDWATCH_GPU_UUIDS"].split(",") if u.strip()]

@@ -9,6 +9,8 @@ wedged; a spinning tensor-parallel collective would read ~100 %.
 
 from __future__ import annotations
 
+from typing import Any
+
 from .facts import ClusterFacts, Finding, GpuFacts, InstanceFacts
 
 BUSY_UTILIZATION = 0.90  # a collective spinning on the GPU
@@ -51,7 +53,7 @@ def _gpu_reading(gpus: list[GpuFacts]) -> tuple[str | None, str]:
     known = [g for g in gpus if g.utilization is not None]
     if not known:
         return None, "no GPU telemetry"
-    util = sum(g.utilization for g in known) / len(known)
+    util = sum(g.utilization for g in known if g.utilization is not None) / len(known)
     powers = [g.power_w for g in known if g.power_w is not None]
     limits = [g.power_limit_w for g in known if g.power_limit_w]
     power = sum(powers) / len(powers) if powers else None
@@ -135,7 +137,7 @@ def collective_desync(f: ClusterFacts) -> Finding | None:
     return Finding("collective_desync", confidence, evidence, ACTIONS["collective_desync"])
 
 
-def _explained_by_silence(f: ClusterFacts, evidence: list, stages: str) -> float:
+def _explained_by_silence(f: ClusterFacts, evidence: list[str], stages: str) -> float:
     """How much a wedge's confidence drops because a silent engine explains its stuck legs.
 
     A frozen or dead peer leaves legs hanging in transfer or bootstrap on the
@@ -150,7 +152,7 @@ def _explained_by_silence(f: ClusterFacts, evidence: list, stages: str) -> float
     return 0.3
 
 
-def _explained_by_frozen(f: ClusterFacts, evidence: list, stages: str) -> float:
+def _explained_by_frozen(f: ClusterFacts, evidence: list[str], stages: str) -> float:
     """How much a wedge's confidence drops because a frozen engine loop explains its stuck legs.
 
     A loop that stopped (a collective hang on a decode, say) leaves the legs of
@@ -165,7 +167,7 @@ def _explained_by_frozen(f: ClusterFacts, evidence: list, stages: str) -> float:
     return 0.3
 
 
-def _peer_gone_sentence(f: ClusterFacts, evidence: list, *stages: str) -> float:
+def _peer_gone_sentence(f: ClusterFacts, evidence: list[str], *stages: str) -> float:
     n = f.on_evidence("peer_gone", *stages)
     if not n:
         return 0.0
@@ -277,12 +279,12 @@ def restart_skew(f: ClusterFacts) -> Finding | None:
         peers = [p for p in f.instances if p.role != i.role and p.role != "unified" and p.start_time_s is not None]
         if not peers:
             continue
-        newest_peer = max(p.start_time_s for p in peers)
+        newest_peer = max(p.start_time_s for p in peers if p.start_time_s is not None)
         restarted_peers = [p for p in peers if p.restarts and p.last_restart_age_s is not None
                            and i.last_restart_age_s is not None and p.last_restart_age_s <= i.last_restart_age_s + 60]
         gap = i.start_time_s - newest_peer
         if gap >= RESTART_SKEW_S and not restarted_peers:
-            oldest = min(peers, key=lambda p: p.start_time_s)
+            oldest = min(peers, key=lambda p: p.start_time_s or 0.0)  # known for every peer
             evidence.append(
                 f"{i.role} {i.pd_instance} was restarted alone ({i.restarts} restart(s), the latest "
                 f"{'?' if i.last_restart_age_s is None else f'{i.last_restart_age_s:.0f}'} s ago): its process started "
@@ -306,7 +308,7 @@ def classify(f: ClusterFacts) -> list[Finding]:
     return findings
 
 
-def verdict(f: ClusterFacts, findings: list[Finding] | None = None) -> dict:
+def verdict(f: ClusterFacts, findings: list[Finding] | None = None) -> dict[str, Any]:
     """Contract section 7's per-cluster diagnosis: the leading family plus every finding.
 
     `findings` are classify(f)'s, when the caller has them already."""

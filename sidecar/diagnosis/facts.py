@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -26,11 +27,11 @@ class InstanceFacts:
     last_restart_age_s: float | None  # seconds since the latest restart was seen, None if never
     finished_ok_recent: int  # legs this instance finished ok within the flow window
     open_legs: int
-    stuck: dict = field(default_factory=dict)  # stage -> stuck legs
-    gpus: list = field(default_factory=list)  # GpuFacts
+    stuck: dict[str, int] = field(default_factory=dict)  # stage -> stuck legs
+    gpus: list[GpuFacts] = field(default_factory=list)
     # Contract section 5b: the loop rule holds, and legs stuck on evidence by reason.
     loop_frozen: bool = False
-    evidence: dict = field(default_factory=dict)  # reason -> stuck legs
+    evidence: dict[str, int] = field(default_factory=dict)  # reason -> stuck legs
 
 
 @dataclass
@@ -39,19 +40,19 @@ class ClusterFacts:
     flow_window_s: float
     finished_ok_recent: int  # legs finished ok anywhere in the cluster within the window
     open_legs: int
-    stuck: dict = field(default_factory=dict)  # (role, stage) -> stuck legs
-    oldest_stuck_age_s: dict = field(default_factory=dict)  # (role, stage) -> seconds
-    thresholds_s: dict = field(default_factory=dict)  # (role, stage) -> seconds
-    instances: list = field(default_factory=list)  # InstanceFacts
+    stuck: dict[tuple[str, str], int] = field(default_factory=dict)  # (role, stage) -> stuck legs
+    oldest_stuck_age_s: dict[tuple[str, str], float] = field(default_factory=dict)  # (role, stage) -> seconds
+    thresholds_s: dict[tuple[str, str], float] = field(default_factory=dict)  # (role, stage) -> seconds
+    instances: list[InstanceFacts] = field(default_factory=list)
     gpu_telemetry_up: bool = False
-    evidence: dict = field(default_factory=dict)  # (role, stage, reason) -> legs stuck on that evidence
+    evidence: dict[tuple[str, str, str], int] = field(default_factory=dict)  # (role, stage, reason) -> legs stuck on that evidence
 
     @property
     def flowing(self) -> bool:
         return self.finished_ok_recent > 0
 
     @property
-    def silent(self) -> list:
+    def silent(self) -> list[InstanceFacts]:
         """Instances that stopped sending heartbeats (down)."""
         return [i for i in self.instances if not i.up]
 
@@ -63,7 +64,7 @@ class ClusterFacts:
         return sum(n for (_r, s, why), n in self.evidence.items() if why == reason and (not stages or s in stages))
 
     @property
-    def frozen(self) -> list:
+    def frozen(self) -> list[InstanceFacts]:
         """Instances whose loop is frozen while they heartbeat (contract section 5b)."""
         return [i for i in self.instances if i.up and i.loop_frozen]
 
@@ -72,9 +73,9 @@ class ClusterFacts:
 class Finding:
     family: str
     confidence: float  # 0..1
-    evidence: list  # sentences, each with the figures behind it
+    evidence: list[str]  # sentences, each with the figures behind it
     action: str
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {"family": self.family, "confidence": round(self.confidence, 2), "evidence": self.evidence,
                 "action": self.action}

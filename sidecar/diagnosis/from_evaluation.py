@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..evaluation import Evaluation
 from .facts import ClusterFacts, GpuFacts, InstanceFacts
 
@@ -16,7 +18,7 @@ def gather(ev: Evaluation) -> list[ClusterFacts]:
             d = g.device
             gpus_of.setdefault((g.owner.cluster, g.owner.pd_instance), []).append(
                 GpuFacts(str(d.index), d.uuid, d.utilization, d.power_w, d.power_limit_w))
-    per_instance: dict[tuple[str, str], tuple[dict, dict]] = {}
+    per_instance: dict[tuple[str, str], tuple[dict[str, int], dict[str, int]]] = {}  # stuck, evidence
     for (cluster, role, stage, name), group in ev.groups.items():
         if not group.stuck:
             continue
@@ -34,7 +36,7 @@ def gather(ev: Evaluation) -> list[ClusterFacts]:
     for (cluster, role, stage), seconds in ev.thresholds.items():
         if cluster in clusters:
             clusters[cluster].thresholds_s[(role, stage)] = seconds
-    restart_age = lambda times: (ev.at_ns - times[-1]) / 1e9 if times else None  # noqa: E731
+    restart_age: Callable[[tuple[int, ...]], float | None] = lambda times: (ev.at_ns - times[-1]) / 1e9 if times else None  # noqa: E731
     for inst in ev.instances:
         cf = clusters[inst.cluster]
         stuck, evidence = per_instance.get((inst.cluster, inst.name), ({}, {}))

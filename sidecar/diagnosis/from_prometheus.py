@@ -7,6 +7,9 @@ that speaks the HTTP query API can serve them.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from typing import Any
+
 import httpx
 
 from pdwatch import contract as c
@@ -14,13 +17,15 @@ from pdwatch import contract as c
 from .facts import ClusterFacts, GpuFacts, InstanceFacts
 
 FLOW_WINDOW_S = c.DEFAULT_FLOW_WINDOW_S
+# An instant query's answer: each series' labels and value.
+Rows = list[tuple[dict[str, str], float]]
 
 
 class PrometheusError(RuntimeError):
     pass
 
 
-def _query(client: httpx.Client, expr: str) -> list[tuple[dict, float]]:
+def _query(client: httpx.Client, expr: str) -> Rows:
     try:
         r = client.get("/api/v1/query", params={"query": expr})
     except httpx.HTTPError as exc:
@@ -34,12 +39,12 @@ def _query(client: httpx.Client, expr: str) -> list[tuple[dict, float]]:
     return [(item["metric"], float(item["value"][1])) for item in body["data"]["result"]]
 
 
-def gather(url: str, *, timeout_s: float = 10.0, headers: dict | None = None,
+def gather(url: str, *, timeout_s: float = 10.0, headers: dict[str, str] | None = None,
            window_s: float = FLOW_WINDOW_S) -> list[ClusterFacts]:
     with httpx.Client(base_url=url.rstrip("/"), timeout=timeout_s, headers=headers) as client:
-        q = lambda expr: _query(client, expr)  # noqa: E731
+        q: Callable[[str], Rows] = lambda expr: _query(client, expr)  # noqa: E731
         window = f"{int(window_s)}s"
-        inst_key = lambda m: (m.get("cluster", ""), m.get("pd_instance", ""))  # noqa: E731
+        inst_key: Callable[[dict[str, str]], tuple[str, str]] = lambda m: (m.get("cluster", ""), m.get("pd_instance", ""))  # noqa: E731
         instances: dict[tuple[str, str], InstanceFacts] = {}
         clusters: dict[str, ClusterFacts] = {}
 
@@ -56,7 +61,7 @@ def gather(url: str, *, timeout_s: float = 10.0, headers: dict | None = None,
             )
             cluster(m.get("cluster", ""))
 
-        def each(expr: str):
+        def each(expr: str) -> Iterator[tuple[dict[str, str], float, InstanceFacts]]:
             for m, v in q(expr):
                 inst = instances.get(inst_key(m))
                 if inst is not None:
@@ -103,9 +108,9 @@ def gather(url: str, *, timeout_s: float = 10.0, headers: dict | None = None,
                 g = gpus.setdefault(key, GpuFacts(m.get("gpu", ""), m.get("uuid", ""), None, None, None))
                 setattr(g, field, v)
         for (cl, name, _u), g in sorted(gpus.items()):
-            inst = instances.get((cl, name))
-            if inst is not None:
-                inst.gpus.append(g)
+            holder = instances.get((cl, name))
+            if holder is not None:
+                holder.gpus.append(g)
         telemetry = {m.get("cluster", ""): v for m, v in q("max by (cluster) (pdwatch_gpu_telemetry_up)")}
         any_up = any(v >= 1 for v in telemetry.values())
         for (cl, _name), inst in sorted(instances.items()):
@@ -119,17 +124,18 @@ def gather(url: str, *, timeout_s: float = 10.0, headers: dict | None = None,
         return list(clusters.values())
 
 
-def contrasts(url: str, *, timeout_s: float = 10.0, headers: dict | None = None) -> dict[str, list[dict]]:
+def contrasts(url: str, *, timeout_s: float = 10.0,
+              headers: dict[str, str] | None = None) -> dict[str, list[dict[str, Any]]]:
     """Per cluster, what the sidecars say sets its stuck legs apart (pdwatch_stuck_contrast_ratio), best first."""
     with httpx.Client(base_url=url.rstrip("/"), timeout=timeout_s, headers=headers) as client:
         rows = _query(client, "max by (cluster, attribute, value, legs) (pdwatch_stuck_contrast_ratio)")
-    items: dict[tuple[str, str, str], dict] = {}
+    items: dict[tuple[str, str, str], dict[str, Any]] = {}
     for m, v in rows:
         key = (m.get("cluster", ""), m.get("attribute", ""), m.get("value", ""))
         item = items.setdefault(key, {"attribute": key[1], "value": key[2], "stuck": 0.0, "flowing": 0.0})
         if m.get("legs") in ("stuck", "flowing"):
             item[m["legs"]] = v
-    out: dict[str, list[dict]] = {}
+    out: dict[str, list[dict[str, Any]]] = {}
     for (cluster, _a, _v), item in items.items():
         item["separation"] = round(item["stuck"] - item["flowing"], 3)
         out.setdefault(cluster, []).append(item)
