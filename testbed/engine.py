@@ -36,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-running", type=int, default=64, help="decode: running batch size")
     ap.add_argument("--bootstrap-timeout-s", type=float, default=300.0)
     ap.add_argument("--waiting-timeout-s", type=float, default=300.0, help="decode: KV arrival timeout")
+    ap.add_argument("--hang-prompts-over", type=int, default=0,
+                    help="prefill fault: KV writes of prompts longer than this many tokens are never posted (0: off)")
+    ap.add_argument("--hang-fraction", type=float, default=0.0,
+                    help="prefill fault: this share of KV writes, chosen at random, are never posted (0: off)")
     ap.add_argument("--service-name", default="pdwatch-testbed")
     ap.add_argument("--gpu-uuid", action="append", help="UUID of an emulated GPU this process drives (repeatable)")
     ap.add_argument("--status-file", help="where to report GPU work and spin shares (testbed.engine_status)")

@@ -17,7 +17,9 @@ stays in `transfer` for good. That is the incident the testbed reproduces.
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import random
 import threading
 import time
 import uuid
@@ -86,8 +88,11 @@ class BootstrapPeers:
 class KVSender:
     """One thread that owns the NIXL agent's transfers, polling all in flight at once."""
 
-    def __init__(self, agent, pool: kv.SlotPool, rec):
+    def __init__(self, agent, pool: kv.SlotPool, rec, hangs=None):
         self.agent = agent
+        # Fault: which writes are never posted (a transport that swallows them); None: none.
+        self.hangs = hangs
+        self.hung = 0
         self.pool = pool
         self.rec = rec
         self.peers = BootstrapPeers(agent)
@@ -132,6 +137,9 @@ class KVSender:
         if req.room not in self.status:
             return  # aborted before the sender got to it
         reg = req.reg or {}
+        if self.hangs is not None and self.hangs(req):
+            self.hung += 1  # never posted: the room stays TRANSFERRING, the leg in transfer, for good
+            return
         try:
             peer = self.peers.resolve(reg)
             self.rec.transfer_info(req.rid, peer=peer)  # the agent it really writes to, stale or not
@@ -183,6 +191,17 @@ class KVSender:
         self._thread.join(2.0)
 
 
+def _hang_rule(args):
+    """The scenario's transport fault, if any: long prompts, or a random share of every write."""
+    over, share = getattr(args, "hang_prompts_over", 0), getattr(args, "hang_fraction", 0.0)
+    if over > 0:
+        return lambda req: req.prompt_tokens > over
+    if share > 0:
+        rng = random.Random(int(os.environ.get("PDWATCH_TESTBED_SEED", "1")))
+        return lambda req: rng.random() < share
+    return None
+
+
 class PrefillEngine:
     def __init__(self, args):
         self.args = args
@@ -196,7 +215,7 @@ class PrefillEngine:
         self.status = StatusWriter(args.status_file)
         self.agent = kv.make_agent(self.agent_name)
         self.pool = kv.SlotPool(self.agent, args.slots, args.slot_bytes)
-        self.sender = KVSender(self.agent, self.pool, self.rec)
+        self.sender = KVSender(self.agent, self.pool, self.rec, hangs=_hang_rule(args))
         # Filled by server threads, drained by the scheduler thread, in arrival order.
         self.inbox: deque = deque()
         self.registrations: OrderedDict[int, dict] = OrderedDict()

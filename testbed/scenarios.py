@@ -124,6 +124,24 @@ register(Scenario(
     family="queue_starvation",
 ))
 register(Scenario(
+    "long-prompt-wedge",
+    "the prefill's KV writes of prompts over 200 tokens are never posted: those requests (a fifth of them) hang "
+    "in transfer on both legs while shorter ones keep completing through both decodes",
+    engine_args=lambda params, instance: ["--hang-prompts-over", "200"] if instance == "prefill-0" else [],
+    expects_stuck=True,
+    family="transfer_wedge",
+    tags=("contrast",),
+))
+register(Scenario(
+    "scattered-wedge",
+    "one in six of the prefill's KV writes, chosen at random, is never posted: hung requests of every length, "
+    "through both decodes, with nothing in common",
+    engine_args=lambda params, instance: ["--hang-fraction", "0.17"] if instance == "prefill-0" else [],
+    expects_stuck=True,
+    family="transfer_wedge",
+    tags=("contrast",),
+))
+register(Scenario(
     "burst",
     "steady load plus burst_size requests at once at restart_at, with 8 running requests per decode at most: "
     "they queue for seconds (far past the usual queueing) but under the stuck floor, then drain",

@@ -105,6 +105,17 @@ def test_fault_gets_its_family(sidecar, name):
         # Others kept flowing while decode-0 was frozen.
         assert any(r.decode == "decode-1" and r.outcome == "ok" and r.done_at > run.fault_at
                    for r in run.truth.requests)
+    # What sets the stuck legs apart (the best of what the sidecar reports).
+    contrast = [(x["attribute"], x["value"], x.get("role")) for x in final.get("contrast", [])]
+    if name == "decode-restart":
+        # The prefill legs write to decode-0's agent from before its restart; the decode legs are decode-0's.
+        assert ("peer_process", "ended", "prefill") in contrast or ("peer_process", "ended", None) in contrast, \
+            final["contrast"]
+        assert ("involves", "decode-0", None) in contrast, final["contrast"]
+    if name in ("freeze-decode", "kv-starvation"):
+        # A fault of one decode instance: its legs, or the legs that talk to it.
+        assert {a for a in contrast if a[1] == "decode-0" and a[0] in ("pd_instance", "involves")}, \
+            final["contrast"]
     if name == "tp-desync":
         # Where it is blocked: decode-0's leader waits in the per-step collective (testbed/tp.py).
         captures = [cap for cap in final.get("captures", []) if cap["pd_instance"] == "decode-0"]
@@ -117,3 +128,21 @@ def test_fault_gets_its_family(sidecar, name):
                    for r in run.truth.requests), "decode-0's running requests should have kept finishing"
     if name == "total-wedge":
         assert not any(r.outcome == "ok" and r.done_at > run.fault_at + 3.0 for r in run.truth.requests)
+
+
+@pytest.mark.parametrize("name", ["long-prompt-wedge", "scattered-wedge"])
+def test_the_contrast_names_what_the_stuck_share_or_nothing(sidecar, name):
+    sc, gpus = sidecar
+    run = run_scenario(name, sc, gpus, watch_s=12.0)
+    final = run.final
+    assert final["family"] is not None and sum(1 for r in run.truth.requests if r.done_at is None) >= 3, final
+    contrast = final.get("contrast", [])
+    if name == "long-prompt-wedge":
+        # The prompts over 200 tokens hang, the rest flow: the best cut lies above 200.
+        top = contrast[0] if contrast else {}
+        assert top.get("attribute") == "prompt_tokens" and top["value"].startswith(">= "), contrast
+        assert 200 < int(top["value"][3:]) <= 257 and top["stuck"] == 1.0 and top["flowing"] == 0.0, top
+    else:
+        # Hung at random, through both decodes, of every length: nothing clear to name.
+        assert contrast == [], contrast
+
