@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 # Below this difference of shares an attribute says nothing worth reading.
 CLEAR_SEPARATION = 0.5
@@ -58,40 +58,48 @@ class Contrast:
 
 
 Predicate = Callable[[LegFacts], bool]
+T = TypeVar("T")
+
+
+def _bound(test: Callable[[LegFacts, T], bool], value: T) -> Predicate:
+    """`test` with `value` bound now, not when called (a lambda in a loop sees the loop's last value)."""
+    return lambda leg: test(leg, value)
 
 
 def _candidates(stuck: list[LegFacts], flowing: list[LegFacts],
                 restarts: dict[str, float]) -> Iterable[tuple[str, str, Predicate, str]]:
     """(attribute, value, predicate, what the legs that have it do) for everything worth testing."""
     for name in sorted({leg.pd_instance for leg in stuck}):
-        yield "pd_instance", name, (lambda leg, n=name: leg.pd_instance == n), f"are on {name}"
+        yield "pd_instance", name, _bound(lambda leg, n: leg.pd_instance == n, name), f"are on {name}"
     # A fault of one instance shows on both legs of its requests: its own, and its peers' legs talking to it.
     for name in sorted({leg.pd_instance for leg in stuck} | {leg.peer_owner for leg in stuck if leg.peer_owner}):
-        yield ("involves", name, (lambda leg, n=name: leg.pd_instance == n or leg.peer_owner == n),
+        yield ("involves", name, _bound(lambda leg, n: leg.pd_instance == n or leg.peer_owner == n, name),
                f"are on {name} or talk to it")
     for role in sorted({leg.role for leg in stuck}):
-        yield "role", role, (lambda leg, r=role: leg.role == r), f"are {role} legs"
+        yield "role", role, _bound(lambda leg, r: leg.role == r, role), f"are {role} legs"
     for peer in sorted({leg.peer for leg in stuck if leg.peer}):
         owner = next((leg.peer_owner for leg in stuck if leg.peer == peer and leg.peer_owner), None)
         named = f"{owner}'s {peer}" if owner else peer
-        yield "peer", peer, (lambda leg, p=peer: leg.peer == p), f"talk to {named}"
+        yield "peer", peer, _bound(lambda leg, p: leg.peer == p, peer), f"talk to {named}"
     ended = sorted({leg.peer_owner or "?" for leg in stuck if leg.peer_ended})
     if ended:
         yield ("peer_process", "ended", lambda leg: leg.peer_ended,
                f"talk to a process of {', '.join(ended)} that has since ended (an agent from before a restart)")
     for name, at in sorted(restarts.items()):
         yield ("arrived", f"after {name} restarted",
-               (lambda leg, t=at: leg.arrived_s is not None and leg.arrived_s >= t),
+               _bound(lambda leg, t: leg.arrived_s is not None and leg.arrived_s >= t, at),
                f"arrived after {name}'s latest restart")
         yield ("arrived", f"before {name} restarted",
-               (lambda leg, t=at: leg.arrived_s is not None and leg.arrived_s < t),
+               _bound(lambda leg, t: leg.arrived_s is not None and leg.arrived_s < t, at),
                f"arrived before {name}'s latest restart")
     if any(leg.error for leg in stuck):
         yield "engine_error", "recorded", (lambda leg: leg.error), "carry an error their engine recorded"
     for cut in _prompt_cuts(stuck, flowing):
-        yield ("prompt_tokens", f">= {cut}", (lambda leg, t=cut: leg.prompt_tokens is not None and leg.prompt_tokens >= t),
+        yield ("prompt_tokens", f">= {cut}",
+               _bound(lambda leg, t: leg.prompt_tokens is not None and leg.prompt_tokens >= t, cut),
                f"have prompts of {cut} tokens or more")
-        yield ("prompt_tokens", f"< {cut}", (lambda leg, t=cut: leg.prompt_tokens is not None and leg.prompt_tokens < t),
+        yield ("prompt_tokens", f"< {cut}",
+               _bound(lambda leg, t: leg.prompt_tokens is not None and leg.prompt_tokens < t, cut),
                f"have prompts under {cut} tokens")
 
 

@@ -24,7 +24,7 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
 from typing import Any
@@ -37,7 +37,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, InstrumentationScope, KeyValue
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span, Status
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from pdwatch import contract as c
 
@@ -52,6 +52,8 @@ SCOPE = InstrumentationScope(name="pdwatch.sidecar")
 UNKNOWN_FAMILY = "unknown"
 KINDS = ("lifecycle", "stuck")
 RESULTS = ("sent", "dropped", "failed")
+# A queued request, or its raw protobuf body when it holds no heartbeat, and the spans in it
+Queued = tuple[ExportTraceServiceRequest | bytes, int]
 
 
 @dataclass(slots=True, frozen=True)
@@ -182,9 +184,9 @@ class Forwarder:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._requests: deque = deque()  # (request, spans in it)
+        self._requests: deque[Queued] = deque()
         self._queued_spans = 0
-        self._stuck: deque = deque(maxlen=max_stuck_queue)
+        self._stuck: deque[StuckEvent] = deque(maxlen=max_stuck_queue)
         self._thread: threading.Thread | None = None
         # Counters, read by ForwardCollector. Written by one thread each, or under _lock.
         self.spans = {(k, r): 0 for k in KINDS for r in RESULTS}
@@ -245,11 +247,12 @@ class Forwarder:
 
     # ---- worker --------------------------------------------------------------
 
-    def _take(self) -> tuple[list[StuckEvent], list[tuple[ExportTraceServiceRequest | bytes, int]]]:
+    def _take(self) -> tuple[list[StuckEvent], list[Queued]]:
         with self._lock:
             stuck = list(self._stuck)
             self._stuck.clear()
-            batch, n = [], 0
+            batch: list[Queued] = []
+            n = 0
             while self._requests and (not batch or n + self._requests[0][1] <= self.max_batch_spans):
                 req, k = self._requests.popleft()
                 batch.append((req, k))
@@ -280,7 +283,7 @@ class Forwarder:
                 if stopping:
                     return
 
-    def _forward(self, client: httpx.Client, stuck: list[StuckEvent], batch: list) -> None:
+    def _forward(self, client: httpx.Client, stuck: list[StuckEvent], batch: list[Queued]) -> None:
         # Serialized messages concatenate into one whose repeated fields are
         # the union (protobuf's merge rule), so a batch is the requests' bytes
         # joined: no span is copied from one message into another.
@@ -350,9 +353,11 @@ def _rejected_spans(response: httpx.Response) -> int:
     if not response.content or "protobuf" not in response.headers.get("content-type", ""):
         return 0
     try:
-        return ExportTraceServiceResponse.FromString(response.content).partial_success.rejected_spans
+        # protobuf ships no types: the message is Any to mypy
+        rejected: int = ExportTraceServiceResponse.FromString(response.content).partial_success.rejected_spans
     except Exception:
         return 0
+    return rejected
 
 
 class ForwardCollector:
@@ -361,10 +366,10 @@ class ForwardCollector:
     def __init__(self, forwarder: Forwarder):
         self.fwd = forwarder
 
-    def describe(self):
+    def describe(self) -> list[Metric]:
         return []
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         fwd = self.fwd
         spans = CounterMetricFamily(
             "pdwatch_forward_spans", "Spans forwarded to the trace store, by kind (lifecycle: the engines' spans as received, with "

@@ -14,11 +14,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import Any
 
 from pdwatch import contract as c
 
 from .capture import StackCapture
-from .contrast import LegFacts, contrast
+from .contrast import Contrast, LegFacts, contrast
 from .diagnosis.classify import REPORT_AT, classify, verdict
 from .diagnosis.from_evaluation import gather
 from .evaluation import EMPTY, Counters, Evaluation, GpuView, Group, InstanceView, Rank, StuckLeg
@@ -34,6 +35,12 @@ log = logging.getLogger("pdwatch.sidecar.judge")
 _EVIDENCE_STAGES = ("bootstrap", "transfer")  # where a leg waits on its KV peer
 # Legs that finished ok looked at for the contrast, newest first: enough to see a pattern.
 CONTRAST_FLOWING_MAX = 5000
+
+# (cluster, instance) -> its ranks whose loop froze with legs open
+Frozen = dict[tuple[str, str], list[Incarnation]]
+# The stuck legs' views oldest first, the groups, the thresholds, the views of the legs newly stuck, the stuck legs
+JudgedLegs = tuple[tuple[StuckLeg, ...], dict[tuple[str, str, str, str], Group], dict[tuple[str, str, str], float],
+                   list[StuckLeg], list[Leg]]
 
 
 class Judge:
@@ -111,7 +118,7 @@ class Judge:
                     inc.down_since_ns = now
                     t.gone_peers.add(inst.cluster, inc, inst.name, now)
 
-    def _instance(self, inst: Instance, now: int, frozen: dict) -> InstanceView:
+    def _instance(self, inst: Instance, now: int, frozen: Frozen) -> InstanceView:
         t = self.tracker
         owner = inst.owner
         beats = [inc.last_heartbeat_ns for inc in inst.ranks.values() if inc.last_heartbeat_ns]
@@ -144,10 +151,10 @@ class Judge:
 
     # ---- legs ------------------------------------------------------------------------------
 
-    def _judge_legs(self, now: int, frozen: dict) -> tuple:
+    def _judge_legs(self, now: int, frozen: Frozen) -> JudgedLegs:
         t = self.tracker
         thresholds: dict[tuple[str, str, str], float] = {}
-        groups: dict[tuple[str, str, str, str], list] = {}
+        groups: dict[tuple[str, str, str, str], list[Any]] = {}  # key -> [stuck, oldest age, evidence counts]
         stuck: list[StuckLeg] = []
         fresh: list[StuckLeg] = []
         stuck_legs: list[Leg] = []
@@ -205,7 +212,7 @@ class Judge:
         out_groups = {k: Group(v[0], round(v[1], 3), v[2]) for k, v in groups.items()}
         return tuple(stuck), out_groups, thresholds, fresh, stuck_legs
 
-    def _evidence(self, leg: Leg, stage: str, now: int, frozen: dict) -> tuple[str, str] | None:
+    def _evidence(self, leg: Leg, stage: str, now: int, frozen: Frozen) -> tuple[str, str] | None:
         """(reason, the evidence in words) when the engines' reports prove the leg cannot progress."""
         t = self.tracker
         if leg.error is not None and leg.listed_seq > leg.error_seq:
@@ -244,7 +251,7 @@ class Judge:
 
     # ---- where they are blocked ---------------------------------------------------------------
 
-    def _ask_for_stacks(self, stuck: tuple[StuckLeg, ...], frozen: dict) -> None:
+    def _ask_for_stacks(self, stuck: tuple[StuckLeg, ...], frozen: Frozen) -> None:
         """An instance that just got stuck legs, or whose loop just froze: its ranks' stacks, once."""
         if self.capture is None or not self.capture.enabled:
             return
@@ -261,7 +268,7 @@ class Judge:
 
     # ---- what sets the stuck legs apart ----------------------------------------------------
 
-    def _contrasts(self, stuck_legs: list[Leg], now: int) -> dict[str, list]:
+    def _contrasts(self, stuck_legs: list[Leg], now: int) -> dict[str, list[Contrast]]:
         """Per cluster with stuck legs: the attributes that separate them from the legs that flowed."""
         if not stuck_legs:
             return {}

@@ -91,7 +91,7 @@ class DurationCollector:
             running = 0
             for bound, count, ex in zip((*hist.bounds, math.inf), counts, exemplars):
                 running += count
-                le = "+Inf" if bound == math.inf else floatToGoString(bound)
+                le = "+Inf" if bound == math.inf else floatToGoString(bound)  # type: ignore[no-untyped-call]
                 if ex is None:
                     buckets.append((le, running))
                 else:
@@ -134,6 +134,7 @@ class EvaluationCollector:
         yield from (inflight, stuck, evidence, oldest)
 
         thr = _gauge(c.THRESHOLD, "Current stuck threshold: max(floor, 3 x p99 of recent durations).")
+        key: tuple[str, ...]  # reused below: a threshold's or a stuck count's 3 labels, a finished count's 4
         for key, seconds in sorted(ev.thresholds.items()):
             thr.add_metric(list(key), seconds)
         yield thr

@@ -11,6 +11,7 @@ import base64
 import binascii
 import json
 import zlib
+from typing import Any
 
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
@@ -64,7 +65,7 @@ def decompress(body: bytes, content_encoding: str | None, max_bytes: int) -> byt
     return out
 
 
-def _hex_ids_to_base64(node) -> None:
+def _hex_ids_to_base64(node: object) -> None:
     """OTLP/JSON spells trace and span ids as hex; protobuf's JSON mapping wants base64."""
     for rs in _items(node, "resourceSpans", "resource_spans"):
         for ss in _items(rs, "scopeSpans", "scope_spans"):
@@ -74,7 +75,7 @@ def _hex_ids_to_base64(node) -> None:
                     _convert_ids(link)
 
 
-def _items(node, *keys):
+def _items(node: object, *keys: str) -> list[Any]:
     if not isinstance(node, dict):
         return []
     for key in keys:
@@ -87,7 +88,7 @@ def _items(node, *keys):
 _ID_KEYS = ("traceId", "trace_id", "spanId", "span_id", "parentSpanId", "parent_span_id")
 
 
-def _convert_ids(obj) -> None:
+def _convert_ids(obj: object) -> None:
     if not isinstance(obj, dict):
         return
     for key in _ID_KEYS:
@@ -128,5 +129,6 @@ def response_body(rejected: int, message: str, media: str) -> bytes:
         response.partial_success.rejected_spans = rejected
         response.partial_success.error_message = message
     if media == PROTOBUF:
-        return response.SerializeToString()
+        body: bytes = response.SerializeToString()  # protobuf ships no types: Any to mypy
+        return body
     return json.dumps(json_format.MessageToDict(response)).encode()

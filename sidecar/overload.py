@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable, Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 # Requests being read or applied at once; more are told to come back (429).
 MAX_IN_FLIGHT = 32
@@ -34,7 +35,8 @@ def read_rss_bytes(status_path: str = "/proc/self/status") -> int | None:
 
 class IngestGuard:
     def __init__(self, max_rss_bytes: int, *, max_in_flight: int = MAX_IN_FLIGHT,
-                 status_path: str = f"/proc/{os.getpid()}/status", monotonic=time.monotonic):
+                 status_path: str = f"/proc/{os.getpid()}/status",
+                 monotonic: Callable[[], float] = time.monotonic):
         self.max_rss = max_rss_bytes
         self.max_in_flight = max_in_flight
         self.status_path = status_path
@@ -68,10 +70,10 @@ class GuardCollector:
     def __init__(self, guard: IngestGuard):
         self.guard = guard
 
-    def describe(self):
+    def describe(self) -> list[Metric]:
         return []
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         g = self.guard
         refused = CounterMetricFamily("pdwatch_ingest_refused",
                                       "OTLP requests refused before reading: busy (429, too many in flight) or "

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeGuard
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
@@ -187,12 +187,12 @@ def attributes(kvs: Any) -> dict[str, Any]:
     return out
 
 
-def is_int(value: Any) -> bool:
+def is_int(value: Any) -> TypeGuard[int]:
     """An integer value; a bool is not one, although Python makes it an int."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def finite(value: Any) -> bool:
+def finite(value: Any) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -386,7 +386,7 @@ def _heartbeat(span: Span, role: str) -> HeartbeatRecord:
     inventory = _inventory(attrs, role) if c.H_OPEN_TOTAL in attrs else None
     interval = attrs.get(c.H_INTERVAL)
     loop = attrs.get(c.H_LOOP)
-    counts = {}
+    counts: dict[str, int] = {}
     for stage in c.STAGES[role]:
         value = attrs.get(c.H_OPEN_COUNT_PREFIX + stage)
         if is_int(value) and value >= 0:

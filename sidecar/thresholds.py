@@ -12,6 +12,8 @@ import math
 from collections import deque
 from itertools import repeat
 
+StageKey = tuple[str, str, str]  # (cluster, role, stage)
+
 WINDOW_S = 600.0
 MAX_SAMPLES = 1000
 P99_FACTOR = 3.0
@@ -25,11 +27,11 @@ class StageThresholds:
         self.max_samples = max_samples
         self.max_keys = max_keys
         # (cluster, role, stage) -> deque of (observed_at_ns, seconds)
-        self._samples: dict[tuple[str, str, str], deque] = {}
-        self._p99_cache: dict[tuple[str, str, str], float | None] = {}
+        self._samples: dict[StageKey, deque[tuple[int, float]]] = {}
+        self._p99_cache: dict[StageKey, float | None] = {}
         self.keys_refused = 0
 
-    def observe_many(self, key: tuple[str, str, str], seconds: list[float], now_ns: int) -> None:
+    def observe_many(self, key: StageKey, seconds: list[float], now_ns: int) -> None:
         """Durations observed at one moment (one OTLP batch); each must be finite and >= 0."""
         window = self._samples.get(key)
         if window is None:
@@ -40,7 +42,7 @@ class StageThresholds:
         window.extend(zip(repeat(now_ns), seconds))
         self._p99_cache.pop(key, None)
 
-    def p99(self, key: tuple[str, str, str], now_ns: int) -> float | None:
+    def p99(self, key: StageKey, now_ns: int) -> float | None:
         window = self._samples.get(key)
         if not window:
             return None
@@ -60,10 +62,10 @@ class StageThresholds:
         self._p99_cache[key] = value
         return value
 
-    def threshold(self, key: tuple[str, str, str], now_ns: int) -> float:
+    def threshold(self, key: StageKey, now_ns: int) -> float:
         floor = self.floors[key[2]]
         p99 = self.p99(key, now_ns)
         return floor if p99 is None else max(floor, P99_FACTOR * p99)
 
-    def keys(self):
+    def keys(self) -> list[StageKey]:
         return list(self._samples)

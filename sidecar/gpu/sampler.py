@@ -284,10 +284,12 @@ class GpuSampler:
 
 def _power_limit(nv: Any, handle: Any) -> int:
     # The enforced limit is what the GPU is held to; older boards only know the management limit.
+    limit: int  # milliwatts; NVML's bindings are untyped
     try:
-        return nv.nvmlDeviceGetEnforcedPowerLimit(handle)
+        limit = nv.nvmlDeviceGetEnforcedPowerLimit(handle)
     except nv.NVMLError_NotSupported:
-        return nv.nvmlDeviceGetPowerManagementLimit(handle)
+        limit = nv.nvmlDeviceGetPowerManagementLimit(handle)
+    return limit
 
 
 _ERROR_NAMES: dict[int, str] = {}
