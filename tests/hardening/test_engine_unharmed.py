@@ -80,7 +80,8 @@ def test_queues_stay_bounded_and_drops_are_counted(sidecar_endpoint):
     assert peak_buf <= BUFFER_MAX and peak_queue <= EXPORT_QUEUE
     assert stats["hook_errors"] == 0 and stats["worker_errors"] == 0
     # No sidecar took anything: spans were exported and failed, or dropped at the full queue, and counted.
-    assert stats["spans_dropped"] > 0
-    assert stats["export_failed_spans"] > 0
+    # Which of the two depends on the machine's pace (CI once saw no failed export before the end of a
+    # "down" run: every batch still in its retry), so the test asks for what the comment says: either.
+    assert stats["spans_dropped"] + stats["export_failed_spans"] > 0, stats
     assert hb["pdwatch.recorder.spans_dropped"] == stats["spans_dropped"]
     assert hb["pdwatch.recorder.dropped"] == stats["dropped"]
