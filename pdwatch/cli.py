@@ -11,6 +11,7 @@ SUBCOMMANDS = {
     "serve": ("pdwatch.sidecar.server", "run the sidecar: OTLP ingest, stuck detection, metrics and API"),
     "trace": ("pdwatch.trace", "draw both legs of one request as a waterfall; write it as a Jaeger UI JSON file"),
     "diagnose": ("pdwatch.diagnose", "name the failure family behind stuck requests, from a sidecar or Prometheus"),
+    "report": ("pdwatch.report", "write an incident report (HTML and PNG plots) from Prometheus or a sidecar's history"),
     "demo": ("pdwatch.demo", "run the incident in the testbed, watched by a sidecar, and report it"),
     "testbed": ("pdwatch.testbed.cli", "run the PD testbed alone (prefill and decode over NIXL, with faults)"),
     "dashboards": ("pdwatch.dashboards.cli", "generate the Grafana dashboards, or push them to a Grafana server"),
@@ -32,8 +33,13 @@ def main(argv: list[str] | None = None) -> int:
     name, rest = argv[0], argv[1:]
     if name not in SUBCOMMANDS:
         parser.error(f"unknown command {name!r} (choose from {', '.join(SUBCOMMANDS)})")
-    module_name = SUBCOMMANDS[name][0]
-    module = __import__(module_name, fromlist=["main"])
+    from pdwatch import extras
+
+    try:
+        module = extras.load(name, SUBCOMMANDS[name][0])
+    except extras.MissingExtra as exc:
+        print(f"pdwatch: {exc}", file=sys.stderr)
+        return 2
     return int(module.main(rest) or 0)
 
 
