@@ -74,6 +74,9 @@ class Router:
         self._order = sorted(self.decodes)
         self._rr = 0
         self.rng = random.Random(seed)
+        # Ids differ on every run, as real clients' do: two runs of one seed into one sidecar (each
+        # scenario its own cluster) must not share trace ids, or the second's legs read as the first's.
+        self.ids = random.Random()
         self.traceparent = traceparent
         self.max_open = max_open
         self.connect_timeout_s = connect_timeout_s
@@ -113,12 +116,12 @@ class Router:
             if sum(1 for r in self.records if r.done_at is None) >= self.max_open:
                 self.rejected += 1
                 return None
-            room = self.rng.getrandbits(63)
+            room = self.ids.getrandbits(63)
             decode = self._order[self._rr % len(self._order)]
             self._rr += 1
             tp = None
             if self.traceparent:
-                tp = c.format_traceparent(self.rng.getrandbits(128) or 1, self.rng.getrandbits(64) or 1)
+                tp = c.format_traceparent(self.ids.getrandbits(128) or 1, self.ids.getrandbits(64) or 1)
             trace_id = c.parse_traceparent(tp)[0] if tp else c.room_trace_id(room)
             rec = RequestRecord(index=len(self.records), room=room, trace_id=f"{trace_id:032x}", decode=decode,
                                 prompt_tokens=prompt_tokens, max_tokens=max_tokens, sent_at=time.time(),

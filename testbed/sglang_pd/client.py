@@ -31,6 +31,9 @@ class RouterClient:
                  timeout_s: float = 900.0):
         self.port = port
         self.rng = random.Random(seed)
+        # Ids differ on every run, as real clients' do: two runs of one seed into one sidecar (each
+        # scenario its own cluster) must not share trace ids, or the second's legs read as the first's.
+        self.ids = random.Random()
         self.traceparent = traceparent
         self.max_open = max_open
         self.timeout_s = timeout_s
@@ -52,7 +55,7 @@ class RouterClient:
                 return None
             tp = None
             if self.traceparent:
-                tp = c.format_traceparent(self.rng.getrandbits(128) or 1, self.rng.getrandbits(64) or 1)
+                tp = c.format_traceparent(self.ids.getrandbits(128) or 1, self.ids.getrandbits(64) or 1)
             trace_id = f"{c.parse_traceparent(tp)[0]:032x}" if tp else ""
             ids = [self.rng.randrange(3, VOCAB) for _ in range(prompt_tokens)]
             rec = RequestRecord(index=len(self.records), room=-1, trace_id=trace_id, decode="",
