@@ -24,7 +24,7 @@ from prometheus_client.exposition import choose_encoder
 
 from pdwatch import contract as c
 
-from . import views
+from . import ui, views
 from .auth import Auth
 from .otlp_body import PROTOBUF, BodyError, decompress, media_type, response_body
 from .overload import RETRY_AFTER_S
@@ -193,4 +193,5 @@ def create_app(settings: Settings | None = None, *, clock: Callable[[], int] = t
             "gpu_telemetry": {"up": gpu.up, "reason": gpu.reason, "devices": len(gpu.devices), "driver": gpu.driver},
         }
 
+    app.include_router(ui.router)  # the live page: static files and one read-only route, behind the token
     return app
