@@ -43,12 +43,12 @@ def _progress_line(t: float, summary: dict, stuck: list) -> str:
 
 
 def _stuck_table(stuck: list, limit: int = 12) -> str:
-    rows = [("TRACE ID", "ROLE", "STAGE", "AGE", "THRESHOLD", "INSTANCE", "PEER", "ROOM", "RID")]
+    rows = [("TRACE ID", "ROLE", "STAGE", "AGE", "THRESHOLD", "REASON", "INSTANCE", "PEER", "ROOM", "RID")]
     ordered = sorted(stuck, key=lambda s: (-s["stage_age_s"], s["trace_id"], s["role"]))
     for s in ordered[:limit]:
         rows.append((
             s["trace_id"], s["role"], s["stage"], f"{s['stage_age_s']:.1f}s", f"{s['threshold_s']:.0f}s",
-            s.get("pd_instance") or "", s.get("peer") or "", str(s.get("bootstrap_room") or ""), s.get("rid") or "",
+            s.get("reason") or "", s.get("pd_instance") or "", s.get("peer") or "", str(s.get("bootstrap_room") or ""), s.get("rid") or "",
         ))
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     text = "\n".join("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows)
@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="skip Prometheus and Alertmanager (detection and diagnosis only)")
     ap.add_argument("--page-timeout-s", type=float, default=150.0,
                     help="after the fault, wait this long for the page to reach the webhook (default 150)")
+    ap.add_argument("--report-dir", default="build/demo-report",
+                    help="where the incident report of the run goes (default build/demo-report)")
+    ap.add_argument("--no-report", action="store_true", help="write no incident report at the end")
     ap.add_argument("--seed", type=int, default=1)
     return ap
 
@@ -129,13 +132,34 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             print(f"pdwatch demo: {exc}", file=sys.stderr)
             return 2
+        started = time.time()
         try:
             stack.start()
-            return _watch(args, stack, sidecar, monitoring, expect_stuck)
+            rc = _watch(args, stack, sidecar, monitoring, expect_stuck)
+            if not args.no_report:
+                _report(args, sidecar, monitoring, started)
+            return rc
         finally:
             stack.stop()
             if monitoring is not None:
                 monitoring.stop()
+
+
+def _report(args, sidecar, monitoring, started: float) -> None:
+    """The run's incident report, from Prometheus when it ran (alert state included), else the sidecar."""
+    from pdwatch.report import write_report
+
+    try:
+        if monitoring is not None:
+            page = write_report(args.report_dir, prometheus=monitoring.prometheus_url, start=started - 5,
+                                end=time.time(), title=f"pdwatch demo: {args.engine} {args.scenario}")
+        else:
+            page = write_report(args.report_dir, sidecar=sidecar.url, start=started - 5, end=time.time(),
+                                title=f"pdwatch demo: {args.engine} {args.scenario}")
+    except (RuntimeError, OSError, ImportError) as exc:  # the report is extra: the verdict above stands
+        print(f"incident report not written: {exc}")
+        return
+    print(f"incident report: {page} (PNG plots beside it)")
 
 
 def _gpu_emulation():
@@ -228,7 +252,8 @@ def _watch(args, stack, sidecar, monitoring, expect_stuck: bool) -> int:
 
 def _await_page(args, stack, sidecar, monitoring, fault_at) -> int:
     print()
-    print(f"Waiting for Alertmanager to page {HEADLINE} (the rule holds for its `for` first) ...", flush=True)
+    print(f"Waiting for Alertmanager to page {HEADLINE} (5 s for legs stuck on evidence, a minute for legs "
+          "past their threshold) ...", flush=True)
     deadline = (fault_at or time.time()) + args.page_timeout_s
     last = 0.0
     while time.time() < deadline:
