@@ -107,6 +107,30 @@ class StackBase:
     def pids(self) -> dict[str, int | None]:
         return {name: proc.pid for name, proc in self.engines.items()}
 
+    def stop(self) -> None:
+        """Stop load, router and engines within about stop_timeout_s; idempotent."""
+        with self._proc_lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        self._stop.set()
+        if self.loadgen is not None:
+            self.loadgen.stop()
+        if self.router is not None:
+            self.router.close()
+        if self._actions_thread is not None:
+            self._actions_thread.join(self.stop_timeout_s)
+        for proc in self.engines.values():
+            proc.begin_stop()
+        deadline = time.monotonic() + self.stop_timeout_s
+        for proc in self.engines.values():
+            proc.finish_stop(deadline)
+        self._release()
+        self._event("stopped")
+
+    def _release(self) -> None:
+        """What the stack holds beyond its processes (folders, emulated GPUs); stop() calls it once."""
+
     def stop_load(self) -> None:
         """End the load early; engines keep running (and open requests stay open)."""
         if self.loadgen is not None:
@@ -328,24 +352,7 @@ class Stack(StackBase):
 
     # ---- stop ------------------------------------------------------------------
 
-    def stop(self) -> None:
-        """Stop load, router and engines within about stop_timeout_s; idempotent."""
-        with self._proc_lock:
-            if self._stopped:
-                return
-            self._stopped = True
-        self._stop.set()
-        if self.loadgen is not None:
-            self.loadgen.stop()
-        if self.router is not None:
-            self.router.close()
-        if self._actions_thread is not None:
-            self._actions_thread.join(self.stop_timeout_s)
-        for proc in self.engines.values():
-            proc.begin_stop()
-        deadline = time.monotonic() + self.stop_timeout_s
-        for proc in self.engines.values():
-            proc.finish_stop(deadline)
+    def _release(self) -> None:
         if self._feed is not None:
             self._feed.stop()
         if self.gpus is not None:
@@ -353,6 +360,5 @@ class Stack(StackBase):
         if self._status_dir is not None:
             shutil.rmtree(self._status_dir, ignore_errors=True)
         _live_stacks.discard(self)
-        self._event("stopped")
 
 __all__ = ["Stack", "Truth", "EngineStartError"]

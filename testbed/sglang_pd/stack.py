@@ -260,28 +260,10 @@ class SglangStack(StackBase):
 
     # ---- stop ------------------------------------------------------------------
 
-    def stop(self) -> None:
-        """Stop load, router and servers within about stop_timeout_s; idempotent."""
-        with self._proc_lock:
-            if self._stopped:
-                return
-            self._stopped = True
-        self._stop.set()
-        if self.loadgen is not None:
-            self.loadgen.stop()
-        if self.router is not None:
-            self.router.close()
-        if self._actions_thread is not None:
-            self._actions_thread.join(self.stop_timeout_s)
-        for proc in self.engines.values():
-            proc.begin_stop()
-        deadline = time.monotonic() + self.stop_timeout_s
-        for proc in self.engines.values():
-            proc.finish_stop(deadline)
+    def _release(self) -> None:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
         _live.discard(self)
-        self._event("stopped")
 
 
 __all__ = ["SglangStack", "EngineStartError"]
