@@ -169,21 +169,12 @@ def _dur(s: float | None) -> str:
 
 def _range_query(client: httpx.Client, expr: str, start: float, end: float, step: float
                  ) -> list[tuple[dict[str, str], Series]]:
-    from pdwatch.sidecar.diagnosis.from_prometheus import PrometheusError
+    from pdwatch.sidecar.diagnosis.from_prometheus import api_result
 
-    try:
-        r = client.get("/api/v1/query_range", params={"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}",
-                                                       "step": f"{step:g}"})
-    except httpx.HTTPError as exc:
-        raise PrometheusError(f"cannot reach Prometheus at {client.base_url}: {exc}") from None
-    try:
-        body = r.json()
-    except ValueError:
-        raise PrometheusError(f"Prometheus answered {r.status_code} with a non-JSON body") from None
-    if r.status_code != 200 or body.get("status") != "success":
-        raise PrometheusError(f"query {expr!r} failed: {body.get('error') or r.status_code}")
+    result = api_result(client, "/api/v1/query_range",
+                        {"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": f"{step:g}"})
     out = []
-    for item in body["data"]["result"]:
+    for item in result:
         values = item.get("values", [])
         out.append((item["metric"], Series([float(t) for t, _ in values],
                                            [None if v in ("NaN", "+Inf", "-Inf") else float(v) for _, v in values])))

@@ -25,9 +25,10 @@ class PrometheusError(RuntimeError):
     pass
 
 
-def _query(client: httpx.Client, expr: str) -> Rows:
+def api_result(client: httpx.Client, path: str, params: dict[str, str]) -> list[dict[str, Any]]:
+    """`data.result` of one Prometheus HTTP API query (instant or range); PrometheusError says what failed."""
     try:
-        r = client.get("/api/v1/query", params={"query": expr})
+        r = client.get(path, params=params)
     except httpx.HTTPError as exc:
         raise PrometheusError(f"cannot reach Prometheus at {client.base_url}: {exc}") from None
     try:
@@ -35,8 +36,13 @@ def _query(client: httpx.Client, expr: str) -> Rows:
     except ValueError:
         raise PrometheusError(f"Prometheus answered {r.status_code} with a non-JSON body") from None
     if r.status_code != 200 or body.get("status") != "success":
-        raise PrometheusError(f"query {expr!r} failed: {body.get('error') or r.status_code}")
-    return [(item["metric"], float(item["value"][1])) for item in body["data"]["result"]]
+        raise PrometheusError(f"query {params.get('query')!r} failed: {body.get('error') or r.status_code}")
+    result: list[dict[str, Any]] = body["data"]["result"]
+    return result
+
+
+def _query(client: httpx.Client, expr: str) -> Rows:
+    return [(item["metric"], float(item["value"][1])) for item in api_result(client, "/api/v1/query", {"query": expr})]
 
 
 def gather(url: str, *, timeout_s: float = 10.0, headers: dict[str, str] | None = None,
