@@ -42,7 +42,9 @@ def live_world():
     env = {f"PDWATCH_FLOOR_{stage.upper()}_S": str(s) for stage, s in FLOORS_S.items()}
     with OtlpReceiver() as receiver:
         env.update({"PDWATCH_FORWARD_OTLP_ENDPOINT": receiver.url, "PDWATCH_LOG_LEVEL": "warning",
-                    "PDWATCH_EVALUATE_INTERVAL_S": "0.25", "PDWATCH_NVML": "off"})
+                    "PDWATCH_EVALUATE_INTERVAL_S": "0.25", "PDWATCH_NVML": "off",
+                    # Stacks of an engine whose legs stick or whose loop freezes (its PIDs are on this host).
+                    "PDWATCH_CAPTURE": "py-spy"})
         with SidecarProcess(env=env) as sidecar, Monitoring([sidecar.url]) as monitoring:
             yield World(sidecar, receiver, monitoring)
 
