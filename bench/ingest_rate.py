@@ -8,13 +8,10 @@ then measures in one run:
   sidecar   the same bodies POSTed to a real `pdwatch serve` (uvicorn, its own
             process) over loopback by keep-alive clients, each sending its next
             request only when the last is answered.
-Goal: the sidecar sustains at least 0.5x the baseline's spans/s.
-
-The goal is judged with --connections exporters at once (default 2), because
-a sidecar serves several engine processes, each with its own exporter: with
-one connection the sidecar idles while that one client builds its next
-request, which measures the client's latency, not the sidecar's rate. The
-one-connection figure is printed too. Each side runs --repeat times and keeps
+Goal: the sidecar sustains at least 0.5x the baseline's spans/s, from a single
+exporter (one connection, each request sent when the last is answered, so the
+client's own time counts against the sidecar) and from --connections exporters
+at once (default 2), as a sidecar serving several engine processes sees it. Each side runs --repeat times and keeps
 its best; every sidecar run is a fresh process, so no span is a duplicate.
 
     python bench/ingest_rate.py [--requests 120] [--spans-per-request 512] [--connections 2]
@@ -115,13 +112,23 @@ def sidecar_rate(bodies: list[bytes], spans_total: int, connections: int) -> tup
         for sender in senders:
             sender.join()
         elapsed = time.perf_counter() - t
-        metrics = httpx.get(sc.url + "/metrics", timeout=30).text
+        # /metrics reads the judge's latest evaluation (one a second): wait for the one after the last body.
+        deadline = time.monotonic() + 5.0
+        while True:
+            seen = _counters(httpx.get(sc.url + "/metrics", timeout=30).text)
+            if seen.get("pdwatch_spans_received_total", 0) >= spans_total or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    return spans_total / elapsed, seen
+
+
+def _counters(metrics: str) -> dict[str, float]:
     seen = {}
     for line in metrics.splitlines():
         for name in ("pdwatch_spans_received_total", "pdwatch_spans_duplicate_total", "pdwatch_ingest_errors_total"):
             if line.startswith(name + " "):
                 seen[name] = float(line.split()[1])
-    return spans_total / elapsed, seen
+    return seen
 
 
 def best_sidecar_rate(bodies: list[bytes], spans_total: int, connections: int, repeat: int) -> tuple[float, dict]:
@@ -155,7 +162,9 @@ def main() -> None:
           f"(sent {spans_total} plus {warm} in the warm-up), "
           f"{seen.get('pdwatch_spans_duplicate_total', 0):.0f} duplicates, "
           f"{seen.get('pdwatch_ingest_errors_total', 0):.0f} ingest errors")
-    print(f"goal (>= 0.5x baseline with {args.connections} connections): {'met' if many / bare >= 0.5 else 'NOT met'}")
+    verdict = {True: "met", False: "NOT met"}
+    print(f"goals (>= 0.5x baseline): one connection {verdict[one / bare >= 0.5]}, "
+          f"{args.connections} connections {verdict[many / bare >= 0.5]}")
 
 
 if __name__ == "__main__":

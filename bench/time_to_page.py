@@ -85,12 +85,18 @@ def main() -> None:
     ap.add_argument("--heartbeat-s", type=float, default=1.0)
     ap.add_argument("--rate", type=float, default=3.0)
     ap.add_argument("--timeout-s", type=float, default=200.0, help="give up on a run after this long")
+    ap.add_argument("--scenarios", default="long-prompt-wedge,decode-restart,tp-desync",
+                    help="comma-separated, from the default list (the first is the threshold baseline)")
     args = ap.parse_args()
     logging.getLogger("opentelemetry").setLevel(logging.CRITICAL)
     hold_s = seconds(HOLD) + seconds(HEADLINE_FOR)
     rows: dict[str, list[tuple[float, float]]] = {}
     met = True
-    for scenario in ("long-prompt-wedge", "decode-restart", "tp-desync"):
+    chosen = [name for name in args.scenarios.split(",") if name]
+    unknown = set(chosen) - {"long-prompt-wedge", *FAULTS}
+    if unknown:
+        ap.error(f"unknown scenario(s) {sorted(unknown)}")
+    for scenario in chosen:
         for i in range(args.runs):
             r = one_run(args, scenario, seed=i + 1)
             if r["paged"] is None or r["named"] is None:
