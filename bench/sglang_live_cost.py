@@ -9,9 +9,14 @@ at the same moments. Printed: median and p90 end-to-end latency through each
 router, their difference and its share of B's median, with a bootstrap 95 %
 interval of the difference of medians. Goal: under 1 % of the median.
 
+With --sink none, A's plugin exports to a loopback port where nobody listens:
+the difference is then the plugin's own (hooks, recorder, exporter), without
+the sidecar's ingest and judge, which on this 2-core machine run on the same
+cores as both stacks (on a GPU node they have cores of their own).
+
 The hook cost per transition on the scheduler thread is bench/sglang_hook_cost.py.
 
-    python bench/sglang_live_cost.py [--requests 200] [--max-tokens 16]
+    python bench/sglang_live_cost.py [--requests 200] [--max-tokens 16] [--sink sidecar|none]
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import random
 import statistics
 import time
 
+from pdwatch.testbed.processes import free_port
 from pdwatch.testbed.sglang_pd.stack import SglangStack
 from pdwatch.testbed.sidecar_process import SidecarProcess
 
@@ -52,14 +58,19 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--sink", choices=("sidecar", "none"), default="sidecar",
+                    help="where A's plugin exports: a real pdwatch serve on this machine (default), or a closed "
+                         "loopback port, so that the sidecar's own CPU, which shares these two cores with both "
+                         "stacks, is left out of the difference")
     args = ap.parse_args()
     rng = random.Random(7)
     with SidecarProcess(env={"PDWATCH_NVML": "off", "PDWATCH_LOG_LEVEL": "warning"}) as sidecar:
         stacks = {}
+        endpoint = sidecar.url if args.sink == "sidecar" else f"http://127.0.0.1:{free_port()}"  # nobody listens
         try:
             # One after the other: two stacks starting at once starve each other's start-up.
             for name, plugin in (("A", True), ("B", False)):
-                stacks[name] = SglangStack("healthy", otlp_endpoint=sidecar.url, decodes=1, plugin=plugin,
+                stacks[name] = SglangStack("healthy", otlp_endpoint=endpoint, decodes=1, plugin=plugin,
                                            cluster=f"bench-{name}", load=False).start()
             ports = {name: s.sglang_router.port for name, s in stacks.items()}
             lat: dict[str, list[float]] = {"A": [], "B": []}
@@ -85,9 +96,9 @@ def main() -> int:
     boot.sort()
     lo, hi = boot[int(0.025 * len(boot))], boot[int(0.975 * len(boot))]
     errors = [r["engine"].get("pdwatch.recorder.hook_errors", 0) for i in summary["instances"]
-              if i["cluster"] == "bench-A" for r in i["ranks"]]
+              if i["cluster"] == "bench-A" for r in i["ranks"]] if args.sink == "sidecar" else "not read (no sidecar)"
     print(f"requests per stack: {args.requests} (prompt {args.prompt_tokens}, {args.max_tokens} new tokens), "
-          f"alternating, one at a time")
+          f"alternating, one at a time; A exports to {'a live sidecar' if args.sink == 'sidecar' else 'nowhere'}")
     print(f"A, pdwatch plugin:  median {med['A'] * 1e3:7.2f} ms   p90 {p90(lat['A']) * 1e3:7.2f} ms")
     print(f"B, without it:      median {med['B'] * 1e3:7.2f} ms   p90 {p90(lat['B']) * 1e3:7.2f} ms")
     print(f"difference of medians: {diff * 1e3:+.3f} ms = {diff / med['B'] * 100:+.2f} % of B's median "

@@ -29,6 +29,7 @@ log = logging.getLogger("pdwatch.sidecar.capture")
 
 MODES = ("off", "py-spy")
 MAX_TEXT = 64 * 1024  # bytes of one stack dump kept
+DUMP_ATTEMPTS = 3  # py-spy runs per capture at most, all within the capture's timeout
 KEEP = 32  # captures kept in all
 QUEUE = 16  # capture requests waiting at most; more are dropped, counted
 
@@ -129,16 +130,28 @@ class StackCapture:
     def _dump(self, cluster: str, instance: str, reason: str, rank: int, pid: int) -> Capture:
         started = time.monotonic()
         assert self.tool is not None
-        try:
-            done = subprocess.run([self.tool, "dump", "--nonblocking", "--pid", str(pid)], capture_output=True,
-                                  timeout=self.timeout_s, stdin=subprocess.DEVNULL)
-            text = done.stdout.decode("utf-8", "replace")[:MAX_TEXT]
-            error = None if done.returncode == 0 else \
-                (done.stderr.decode("utf-8", "replace").strip()[:500] or f"py-spy exited {done.returncode}")
-        except subprocess.TimeoutExpired:
-            text, error = "", f"py-spy took longer than {self.timeout_s:.0f} s"
-        except OSError as exc:
-            text, error = "", f"py-spy could not run: {exc}"
+        text, error = "", None
+        # Without pausing the engine (--nonblocking) py-spy can read a stack while the interpreter
+        # changes it, and fails ("Failed to get stack traces"; seen on a live SGLang prefill): try again.
+        for attempt in range(DUMP_ATTEMPTS):
+            left = self.timeout_s - (time.monotonic() - started)
+            if attempt and left <= 0:
+                break
+            try:
+                done = subprocess.run([self.tool, "dump", "--nonblocking", "--pid", str(pid)], capture_output=True,
+                                      timeout=max(left, 0.1), stdin=subprocess.DEVNULL)
+                text = done.stdout.decode("utf-8", "replace")[:MAX_TEXT]
+                error = None if done.returncode == 0 else \
+                    (done.stderr.decode("utf-8", "replace").strip()[:500] or f"py-spy exited {done.returncode}")
+            except subprocess.TimeoutExpired:
+                text, error = "", f"py-spy took longer than {self.timeout_s:.0f} s"
+                break
+            except OSError as exc:
+                text, error = "", f"py-spy could not run: {exc}"
+                break
+            if error is None or not _exists(pid):
+                break
+            time.sleep(0.2)
         self.counts["failed" if error else "taken"] += 1
         if error:
             log.warning("stack capture of %s rank %d (pid %d) failed: %s", instance, rank, pid, error)
