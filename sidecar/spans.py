@@ -297,16 +297,13 @@ def _room_of(span: Span) -> int | None:
     writes the room fourth, after role, stage and rid, so that place is read
     first; any other order still works through the walk."""
     kvs = span.attributes
-    if len(kvs) > _ROOM_AT:
-        kv = kvs[_ROOM_AT]
-        if kv.key == c.A_ROOM:
-            v = kv.value
-            return v.int_value if v.WhichOneof("value") == "int_value" else None
-    for kv in kvs:
-        if kv.key == c.A_ROOM:
-            v = kv.value
-            return v.int_value if v.WhichOneof("value") == "int_value" else None
-    return None
+    kv = kvs[_ROOM_AT] if len(kvs) > _ROOM_AT else None
+    if kv is None or kv.key != c.A_ROOM:
+        kv = next((x for x in kvs if x.key == c.A_ROOM), None)
+        if kv is None:
+            return None
+    v = kv.value
+    return v.int_value if v.WhichOneof("value") == "int_value" else None
 
 
 def _leg(span: Span, role: str) -> LegRecord:
