@@ -149,13 +149,10 @@ def _report(args, sidecar, monitoring, started: float) -> None:
     """The run's incident report, from Prometheus when it ran (alert state included), else the sidecar."""
     from pdwatch.report import write_report
 
+    source = {"prometheus": monitoring.prometheus_url} if monitoring is not None else {"sidecar": sidecar.url}
     try:
-        if monitoring is not None:
-            page = write_report(args.report_dir, prometheus=monitoring.prometheus_url, start=started - 5,
-                                end=time.time(), title=f"pdwatch demo: {args.engine} {args.scenario}")
-        else:
-            page = write_report(args.report_dir, sidecar=sidecar.url, start=started - 5, end=time.time(),
-                                title=f"pdwatch demo: {args.engine} {args.scenario}")
+        page = write_report(args.report_dir, **source, start=started - 5, end=time.time(),
+                            title=f"pdwatch demo: {args.engine} {args.scenario}")
     except (RuntimeError, OSError, ImportError) as exc:  # the report is extra: the verdict above stands
         print(f"incident report not written: {exc}")
         return
