@@ -7,6 +7,8 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+from opentelemetry.util.re import parse_env_headers
+
 from pdwatch import contract as c
 
 
@@ -36,13 +38,21 @@ def _env_int(environ: Mapping[str, str], name: str, default: int) -> int:
     return value
 
 
+def _compression(raw: str) -> str:
+    value = raw.strip().lower()
+    if value not in ("none", "gzip"):
+        raise ValueError(f"OTLP compression {raw!r} is not none or gzip")
+    return value
+
+
 @dataclass(frozen=True)
 class RecorderConfig:
     """What a recorder needs to know about the engine process it lives in.
 
     Fields left as None are resolved by `resolved()` from the environment
     (PDWATCH_CLUSTER, PDWATCH_INSTANCE, PDWATCH_HEARTBEAT_S,
-    PDWATCH_INVENTORY_MAX, OTEL_EXPORTER_OTLP_ENDPOINT) or defaults.
+    PDWATCH_INVENTORY_MAX, OTEL_EXPORTER_OTLP_ENDPOINT and the OTLP exporter's
+    header, certificate and compression variables) or defaults.
     """
 
     role: str
@@ -65,13 +75,26 @@ class RecorderConfig:
     inventory_max: int | None = None
     # OTLP/HTTP base URL; spans go to <endpoint>/v1/traces.
     endpoint: str | None = None
+    # Sent with every export (a sidecar's token, say); None: the OTLP exporter's
+    # OTEL_EXPORTER_OTLP_TRACES_HEADERS, else OTEL_EXPORTER_OTLP_HEADERS.
+    headers: Mapping[str, str] | None = None
+    # CA file for an https endpoint; None: OTEL_EXPORTER_OTLP_[TRACES_]CERTIFICATE, else the system's.
+    certificate: str | None = None
+    # none or gzip; None: OTEL_EXPORTER_OTLP_[TRACES_]COMPRESSION, else none (gzip costs the engine CPU).
+    compression: str | None = None
     # Hot-path buffer between the engine thread and the span builder.
     buffer_max: int = 65536
     # Legs the recorder tracks at once; beyond it the oldest is forgotten, counted.
     max_open_legs: int = 65536
-    drain_interval_s: float = 0.05
+    # How often the worker wakes to drain, export and maybe heartbeat. Rarely: each
+    # wake-up takes the GIL from a busy scheduler thread (see export_queue.py); at
+    # 0.25 s the live pair's schedulers spent about 1 ms more CPU a request with
+    # the plugin, at 1 s (see README). Tokens carry the time of the drain that
+    # saw them, and spans reach the sidecar, late by at most this: well inside
+    # the stuck floors (seconds). The buffer holds this long of records.
+    drain_interval_s: float = 1.0
     export_timeout_s: float = 2.0
-    # Spans allowed to wait in the batch processor; more are dropped, counted.
+    # Spans allowed to wait for export; more are dropped, counted.
     max_export_queue: int = 8192
     pid: int = field(default_factory=os.getpid)
     host: str = field(default_factory=socket.gethostname)
@@ -90,4 +113,11 @@ class RecorderConfig:
             inventory_max=self.inventory_max
             or _env_int(env, "PDWATCH_INVENTORY_MAX", c.DEFAULT_INVENTORY_MAX),
             endpoint=endpoint.rstrip("/"),
+            headers=self.headers if self.headers is not None else parse_env_headers(
+                env.get("OTEL_EXPORTER_OTLP_TRACES_HEADERS") or env.get("OTEL_EXPORTER_OTLP_HEADERS") or "",
+                liberal=True),
+            certificate=self.certificate or env.get("OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE")
+            or env.get("OTEL_EXPORTER_OTLP_CERTIFICATE"),
+            compression=_compression(self.compression or env.get("OTEL_EXPORTER_OTLP_TRACES_COMPRESSION")
+                                     or env.get("OTEL_EXPORTER_OTLP_COMPRESSION") or "none"),
         )

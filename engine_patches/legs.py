@@ -1,12 +1,13 @@
 """The recorder's view of open legs, rebuilt off the engine thread from records.
 
 Applies hot-path records in order and says which spans they complete. Knows
-nothing about OpenTelemetry: `otel_export` turns the finished pieces into spans.
+nothing about OpenTelemetry: `otlp` turns the finished pieces into spans.
 """
 
 from __future__ import annotations
 
 import heapq
+import os
 import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -59,7 +60,20 @@ class LegDone:
     output_tokens: int
 
 
-Piece = StageDone | LegDone  # what a record completes: span pieces for otel_export
+Piece = StageDone | LegDone  # what a record completes: span pieces for otlp.py
+
+# Ids come from a generator of pdwatch's own: engines seed the global one
+# (SGLang's --random-seed), which would give every process the same ids.
+_id_random = random.Random()
+os.register_at_fork(after_in_child=_id_random.seed)  # a forked child must not repeat its parent's ids
+
+
+def new_trace_id() -> int:
+    return _id_random.getrandbits(128) or 1
+
+
+def new_span_id() -> int:
+    return _id_random.getrandbits(64) or 1
 
 
 def trace_id_for(traceparent: str | None, room: int | None) -> tuple[int, int | None]:
@@ -69,7 +83,7 @@ def trace_id_for(traceparent: str | None, room: int | None) -> tuple[int, int | 
         return parsed
     if room is not None:
         return c.room_trace_id(room), None
-    return random.getrandbits(128) or 1, None
+    return new_trace_id(), None
 
 
 class LegTable:
@@ -104,7 +118,7 @@ class LegTable:
         self.open[rid] = Leg(
             rid=rid,
             trace_id=trace_id,
-            span_id=random.getrandbits(64) or 1,
+            span_id=new_span_id(),
             parent_span_id=parent,
             arrive_ns=ts,
             room=room,

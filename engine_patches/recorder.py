@@ -3,9 +3,9 @@
 Two halves. The engine (scheduler) thread calls `arrive`, `enter`, `token`,
 `finish` ...: each takes a timestamp and appends one tuple to a bounded
 buffer, nothing else, and never raises. A daemon worker thread drains the
-buffer every `drain_interval_s`, keeps the open-leg table, builds spans with
-the recorded times and sends a heartbeat with the open-leg inventory every
-`heartbeat_s`. A sidecar that is down or slow costs the engine nothing but
+buffer every `drain_interval_s`, keeps the open-leg table, writes spans with
+the recorded times, sends a heartbeat with the open-leg inventory every
+`heartbeat_s` and posts what it wrote (export_queue.py). A sidecar that is down or slow costs the engine nothing but
 dropped telemetry, which is counted and reported in the next heartbeat.
 """
 
@@ -20,14 +20,15 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from opentelemetry.sdk.trace.export import SpanExporter
 from opentelemetry.util.types import AttributeValue
 
 from pdwatch import contract as c
 
+from . import otlp
 from .config import RecorderConfig
+from .export_queue import ExportQueue
 from .legs import LegDone, LegTable, Piece, StageDone
-from .otel_export import SpanSink, build_resource
+from .otlp_http import HttpTransport, Transport
 
 log = logging.getLogger("pdwatch.recorder")
 
@@ -44,7 +45,7 @@ class Recorder:
         self,
         config: RecorderConfig,
         *,
-        exporter: SpanExporter | None = None,
+        transport: Transport | None = None,
         clock: Callable[[], int] = time.time_ns,
         environ: Mapping[str, str] | None = None,
     ) -> None:
@@ -60,12 +61,18 @@ class Recorder:
         self.loop_iterations = 0
         self._engine_counters: dict[str, int] = {}
         self.legs = LegTable(cfg.role, cfg.max_open_legs)
-        self.sink = SpanSink(cfg, build_resource(cfg, self.instance_id, self.start_ns), exporter)
+        if transport is None:
+            transport = HttpTransport(f"{cfg.endpoint}/v1/traces", timeout_s=cfg.export_timeout_s,
+                                      headers=cfg.headers, cafile=cfg.certificate,
+                                      compression=cfg.compression or "none")
+        self.export = ExportQueue(otlp.resource(cfg, self.instance_id, self.start_ns), transport,
+                                  max_queue=cfg.max_export_queue)
         self.worker_errors = 0
         self.heartbeat_seq = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()  # serialises drains (worker vs flush)
+        self._lock = threading.Lock()  # serialises drains and heartbeats (worker vs flush)
+        self._post_lock = threading.Lock()  # serialises posts, apart: a slow post must not hold up a drain
 
     # ---- engine thread: one append each, never raises -------------------
 
@@ -144,6 +151,7 @@ class Recorder:
                 if time.monotonic() >= next_beat:
                     next_beat = time.monotonic() + heartbeat_s
                     self.heartbeat()
+                self._post()
             except Exception:
                 self.worker_errors += 1
                 log.debug("pdwatch recorder worker error", exc_info=True)
@@ -186,11 +194,15 @@ class Recorder:
             return n
 
     def _emit(self, pieces: list[Piece]) -> None:
+        role, export = self.config.role, self.export
         for piece in pieces:
+            span = export.slot()
+            if span is None:
+                continue  # the export queue is full: dropped, counted there
             if isinstance(piece, StageDone):
-                self.sink.stage(piece)
+                otlp.fill_stage(span, piece, role)
             elif isinstance(piece, LegDone):
-                self.sink.leg(piece)
+                otlp.fill_leg(span, piece, role)
 
     def heartbeat_attributes(self) -> dict[str, AttributeValue]:
         cfg, legs = self.config, self.legs
@@ -206,8 +218,8 @@ class Recorder:
             "pdwatch.recorder.dropped": self.dropped,
             "pdwatch.recorder.hook_errors": self.hook_errors,
             "pdwatch.recorder.worker_errors": self.worker_errors,
-            "pdwatch.recorder.spans_dropped": self.sink.dropped,
-            "pdwatch.recorder.export_failed_spans": self.sink.exporter.failed_spans,
+            "pdwatch.recorder.spans_dropped": self.export.dropped,
+            "pdwatch.recorder.export_failed_spans": self.export.failed_spans,
             "pdwatch.recorder.legs_evicted": legs.evicted,
         }
         for name, value in self._engine_counters.items():
@@ -218,7 +230,10 @@ class Recorder:
 
     def heartbeat(self) -> None:
         self.heartbeat_seq += 1
-        self.sink.heartbeat(self.heartbeat_attributes(), self._clock())
+        with self._lock:
+            span = self.export.slot()
+            if span is not None:
+                otlp.fill_heartbeat(span, self.heartbeat_attributes(), self._clock())
 
     def stats(self) -> dict[str, int]:
         return {
@@ -228,16 +243,26 @@ class Recorder:
             "dropped": self.dropped,
             "hook_errors": self.hook_errors,
             "worker_errors": self.worker_errors,
-            "spans_ended": self.sink.ended,
-            "spans_dropped": self.sink.dropped,
-            "export_failed_spans": self.sink.exporter.failed_spans,
+            "spans_queued": self.export.queued,
+            "spans_dropped": self.export.dropped,
+            "spans_sent": self.export.sent,
+            "export_failed_spans": self.export.failed_spans,
             "heartbeats": self.heartbeat_seq,
         }
 
     def flush(self, timeout_s: float = 5.0) -> bool:
-        """Drain and export everything recorded so far (tests, shutdown)."""
+        """Drain and export everything recorded so far (tests, shutdown); False if that took over timeout_s."""
+        deadline = time.monotonic() + timeout_s
         self.drain()
-        return self.sink.flush(timeout_s)
+        return self._post(deadline)
+
+    def _post(self, deadline: float | None = None) -> bool:
+        # One request for everything written since the last post: the resource is
+        # copied and encoded once a post, not once a drain.
+        with self._lock:
+            self.export.seal()
+        with self._post_lock:
+            return self.export.post(deadline)
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
@@ -246,8 +271,8 @@ class Recorder:
         try:
             self.drain()
             self.heartbeat()
-            self.sink.flush(timeout_s)
-            self.sink.shutdown()
+            self._post(time.monotonic() + timeout_s)
+            self.export.transport.close()
         except Exception:
             log.debug("pdwatch recorder shutdown error", exc_info=True)
 

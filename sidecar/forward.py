@@ -34,12 +34,13 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue, InstrumentationScope, KeyValue
+from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span, Status
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from pdwatch import contract as c
+from pdwatch.contract.otlp import add_attributes
 
 from .evaluation import StuckLeg, stuck_description
 
@@ -85,27 +86,17 @@ def retry_after_s(value: str | None) -> float | None:
         return None
 
 
-def _kv(key: str, value: Any) -> KeyValue:
-    if isinstance(value, bool):
-        return KeyValue(key=key, value=AnyValue(bool_value=value))
-    if isinstance(value, int):
-        return KeyValue(key=key, value=AnyValue(int_value=value))
-    if isinstance(value, float):
-        return KeyValue(key=key, value=AnyValue(double_value=value))
-    return KeyValue(key=key, value=AnyValue(string_value=str(value)))
-
-
 def stuck_resource_spans(events: Sequence[StuckEvent]) -> list[ResourceSpans]:
     """pd.stuck spans, one resource per cluster (contract section 10)."""
     by_cluster: dict[str, list[Span]] = {}
     for ev in events:
         leg = ev.leg
-        attrs = [_kv(c.A_ROLE, leg.role), _kv(c.A_STAGE, leg.stage), _kv(c.A_INSTANCE, leg.pd_instance),
-                 _kv(c.A_FAMILY, ev.family), _kv(c.A_REASON, leg.reason)]
+        attrs: dict[str, Any] = {c.A_ROLE: leg.role, c.A_STAGE: leg.stage, c.A_INSTANCE: leg.pd_instance,
+                                 c.A_FAMILY: ev.family, c.A_REASON: leg.reason}
         if leg.rid:
-            attrs.append(_kv(c.A_RID, leg.rid))
+            attrs[c.A_RID] = leg.rid
         if leg.room is not None:
-            attrs.append(_kv(c.A_ROOM, leg.room))
+            attrs[c.A_ROOM] = leg.room
         # Engine clock, as the leg's own spans: from stage entry to the detection.
         end_ns = max(leg.stuck_since_ns - leg.offset_ns, leg.stage_since_ns)
         span = Span(
@@ -115,20 +106,19 @@ def stuck_resource_spans(events: Sequence[StuckEvent]) -> list[ResourceSpans]:
             kind=Span.SPAN_KIND_INTERNAL,
             start_time_unix_nano=leg.stage_since_ns,
             end_time_unix_nano=end_ns,
-            attributes=attrs,
             status=Status(code=Status.STATUS_CODE_ERROR,
                           message=stuck_description(leg.stage, leg.age_s, leg.threshold_s, leg.reason)),
         )
+        add_attributes(span, attrs)
         if leg.span_id:
             span.parent_span_id = bytes.fromhex(leg.span_id)
         by_cluster.setdefault(leg.cluster, []).append(span)
-    return [
-        ResourceSpans(
-            resource=Resource(attributes=[_kv(c.R_SERVICE_NAME, SERVICE_NAME), _kv(c.R_CLUSTER, cluster)]),
-            scope_spans=[ScopeSpans(scope=SCOPE, spans=spans)],
-        )
-        for cluster, spans in by_cluster.items()
-    ]
+    out = []
+    for cluster, spans in by_cluster.items():
+        resource = Resource()
+        add_attributes(resource, {c.R_SERVICE_NAME: SERVICE_NAME, c.R_CLUSTER: cluster})
+        out.append(ResourceSpans(resource=resource, scope_spans=[ScopeSpans(scope=SCOPE, spans=spans)]))
+    return out
 
 
 _rng = random.Random(int.from_bytes(os.urandom(8), "big"))

@@ -287,7 +287,7 @@ def check_ids(span: Span) -> None:
         raise Rejection("bad_id", f"{span.name[:64]}: parent span id must be 8 bytes")
 
 
-_ROOM_AT = 3  # where engine_patches/otel_export.py puts pd.bootstrap_room among a stage span's attributes
+_ROOM_AT = 3  # where engine_patches/otlp.py puts pd.bootstrap_room among a stage span's attributes
 
 
 def _room_of(span: Span) -> int | None:

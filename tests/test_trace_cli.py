@@ -10,7 +10,6 @@ import time
 
 import httpx
 import pytest
-from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
 from pdwatch import contract as c
 from pdwatch import trace
@@ -23,8 +22,7 @@ WIDTH = 100
 
 
 def _recorder(url: str, role: str, instance: str) -> Recorder:
-    exporter = OTLPSpanExporter(endpoint=f"{url}/v1/traces", timeout=5)
-    return Recorder(RecorderConfig(role=role, instance=instance, heartbeat_s=1.0), exporter=exporter, environ={})
+    return Recorder(RecorderConfig(role=role, instance=instance, heartbeat_s=1.0, endpoint=url), environ={})
 
 
 @pytest.fixture(scope="module")

@@ -1,18 +1,16 @@
-"""The recorder against the real OTel SDK (in-memory and OTLP/HTTP exporters)."""
+"""The recorder: its hot path, its open-leg table, and the OTLP spans it exports (read back from their bytes)."""
 
 from __future__ import annotations
 
 import hashlib
 import socket
-import threading
 import time
 
 import pytest
-from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
 from pdwatch.engine_patches.recorder import Recorder, RecorderConfig
+from tests.support.otlp_spans import KeptSpans
 
 
 class FakeClock:
@@ -26,11 +24,11 @@ class FakeClock:
         self.now += int(seconds * 1e9)
 
 
-def make(role="prefill", exporter=None, **kw):
-    exporter = exporter or InMemorySpanExporter()
+def make(role="prefill", transport=None, **kw):
+    kept = KeptSpans()
     clock = kw.pop("clock", FakeClock())
     cfg = RecorderConfig(role=role, instance=f"{role}-0", heartbeat_s=kw.pop("heartbeat_s", 0.1), **kw)
-    return Recorder(cfg, exporter=exporter, clock=clock, environ={}), exporter, clock
+    return Recorder(cfg, transport=transport or kept.transport, clock=clock, environ={}), kept, clock
 
 
 def spans_by_name(exporter):
@@ -271,31 +269,31 @@ def test_full_buffer_drops_new_records_and_counts_them():
     assert rec.drain() == 10
 
 
-class BlockingExporter(SpanExporter):
+class CountingTransport:
     def __init__(self):
-        self.release = threading.Event()
-        self.count = 0
+        self.posted = 0
 
-    def export(self, spans):
-        self.release.wait(10)
-        self.count += len(spans)
-        return SpanExportResult.SUCCESS
+    def post(self, body):
+        self.posted += 1
 
-    def shutdown(self):
-        self.release.set()
+    def close(self):
+        pass
 
 
 def test_export_queue_is_bounded_and_overflow_counted():
-    exp = BlockingExporter()
-    rec, _, _ = make("prefill", exporter=exp, max_export_queue=8)
+    counting = CountingTransport()
+    rec, _, _ = make("prefill", transport=counting, max_export_queue=8)
     for i in range(50):
         rec.arrive(f"p-{i}", bootstrap_room=i)
         rec.enter(f"p-{i}", "queued")
         rec.finish(f"p-{i}", "ok")
-    rec.drain()
-    assert rec.sink.dropped > 0
-    assert rec.sink.ended - rec.sink.exporter.taken <= 8
-    exp.release.set()
+    rec.drain()  # nothing posted yet: the queue fills, then refuses
+    assert (rec.export.waiting, rec.export.dropped) == (8, 100 - 8)  # 50 legs of two spans each
+    assert rec.heartbeat_attributes()["pdwatch.recorder.spans_dropped"] == 92
+    assert rec.flush(timeout_s=5)
+    assert counting.posted == 1 and rec.export.sent == rec.export.taken == 8 and rec.export.waiting == 0
+    rec.heartbeat()  # room again
+    assert rec.flush(timeout_s=5) and rec.export.sent == 9
     rec.shutdown()
 
 
@@ -321,9 +319,9 @@ def test_sidecar_down_counts_failures_and_shutdown_is_bounded():
         rec.enter(f"d-{i}", "bootstrap")
         rec.finish(f"d-{i}", "ok")
     deadline = time.monotonic() + 10
-    while rec.sink.exporter.failed_spans == 0 and time.monotonic() < deadline:
+    while rec.export.failed_spans == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert rec.sink.exporter.failed_spans > 0
+    assert rec.export.failed_spans > 0
     t = time.monotonic()
     rec.shutdown(timeout_s=1)
     assert time.monotonic() - t < 8

@@ -11,7 +11,6 @@ import time
 
 import httpx
 import pytest
-from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
 from pdwatch.engine_patches.recorder import Recorder, RecorderConfig
 from pdwatch.sidecar.server import build_parser
@@ -98,10 +97,10 @@ def test_with_a_token_ingest_and_api_need_it_metrics_and_health_stay_open(guarde
 
 
 def test_a_recorder_with_the_token_gets_through_and_one_without_does_not(guarded):
-    def run(headers):
-        exporter = OTLPSpanExporter(endpoint=f"{guarded.url}/v1/traces", headers=headers, timeout=5)
-        rec = Recorder(RecorderConfig(role="prefill", instance=f"p-{len(headers)}", heartbeat_s=1.0),
-                       exporter=exporter, environ={})
+    def run(environ):
+        # The token as an engine is given it: the OTLP exporter's standard headers variable.
+        rec = Recorder(RecorderConfig(role="prefill", instance=f"p-{len(environ)}", heartbeat_s=1.0),
+                       environ={"OTEL_EXPORTER_OTLP_ENDPOINT": guarded.url, **environ})
         rec.arrive("p-1", bootstrap_room=1)
         rec.enter("p-1", "bootstrap")
         rec.drain()
@@ -113,6 +112,6 @@ def test_a_recorder_with_the_token_gets_through_and_one_without_does_not(guarded
 
     refused = run({})
     assert refused["export_failed_spans"] > 0 and not guarded.sidecar.tracker.instances
-    ok = run({"authorization": f"Bearer {TOKEN}"})
+    ok = run({"OTEL_EXPORTER_OTLP_HEADERS": f"authorization=Bearer%20{TOKEN}"})
     assert ok["export_failed_spans"] == 0
     assert [k[1] for k in guarded.sidecar.tracker.instances] == ["p-1"]

@@ -70,7 +70,7 @@ def test_queues_stay_bounded_and_drops_are_counted(sidecar_endpoint):
             i += 1
             if i % 50 == 0:
                 peak_buf = max(peak_buf, len(rec._buf))
-                peak_queue = max(peak_queue, rec.sink.ended - rec.sink.exporter.taken)
+                peak_queue = max(peak_queue, rec.export.waiting)
         time.sleep(0.5)
         stats = rec.stats()
         hb = rec.heartbeat_attributes()

@@ -104,7 +104,7 @@ def test_the_wheel_is_one_namespace_with_its_data_extras_and_plugin_entry_point(
     assert SpecifierSet(meta["Requires-Python"]) == SpecifierSet(">=3.10,<3.14")
     base = [r for r in meta.get_all("Requires-Dist") if "extra ==" not in r]
     assert sorted(re.split(r"[<>=!; ]", r)[0] for r in base) == [
-        "opentelemetry-api", "opentelemetry-exporter-otlp-proto-http", "opentelemetry-sdk"]
+        "opentelemetry-api", "opentelemetry-proto", "opentelemetry-sdk", "protobuf"]
     assert {"sidecar", "gpu", "capture", "dashboards", "report", "testbed"} <= set(meta.get_all("Provides-Extra"))
     assert "[sglang.srt.plugins]\npdwatch = pdwatch.engine_patches.sglang:plugin" in entry_points
     with tarfile.open(sdist) as tar:
@@ -116,10 +116,11 @@ def test_the_engine_side_alone_records_and_a_command_names_its_missing_extra(ven
     _sdist, wheel = dist
     pip(venv, wheel, "-c", constraints)
     code = ("import pdwatch, pdwatch.engine_patches.recorder as r; "
-            "from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter as M; "
-            "e = M(); rec = r.Recorder(r.RecorderConfig(role='decode', instance='d-0'), exporter=e, environ={}); "
+            "from pdwatch.engine_patches.otlp_http import MemoryTransport as M; "
+            "t = M(); rec = r.Recorder(r.RecorderConfig(role='decode', instance='d-0'), transport=t, environ={}); "
             "rec.arrive('d-1', bootstrap_room=1); rec.enter('d-1', 'bootstrap'); rec.heartbeat(); rec.flush(); "
-            "print(pdwatch.__file__, len(e.get_finished_spans()))")
+            "print(pdwatch.__file__, sum(len(ss.spans) for q in t.requests() for rs in q.resource_spans "
+            "for ss in rs.scope_spans))")
     out = run(venv / "bin" / "python", "-c", code, env=clean_env(), cwd=tmp_path).stdout.split()
     assert out[0].startswith(str(venv)) and int(out[1]) >= 1  # from the fresh environment, not the checkout
     serve = subprocess.run([venv / "bin" / "pdwatch", "serve"], capture_output=True, text=True, env=clean_env(),

@@ -1,5 +1,5 @@
-"""Fixtures for the sidecar: engines are real Recorders (real OTel SDK spans),
-encoded with the real OTLP encoder, fed to the tracker under one fake clock."""
+"""Fixtures for the sidecar: engines are real Recorders whose OTLP requests,
+kept in memory, are fed to the tracker under one fake clock."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import threading
 import time
 
 import pytest
-from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from pdwatch.engine_patches.otlp_http import MemoryTransport
 from pdwatch.engine_patches.recorder import Recorder, RecorderConfig
 from pdwatch.sidecar.tracker import Tracker
 from pdwatch.testbed.processes import free_port
+from tests.support.otlp_spans import one_request
 from tests.support.tracking import ingest
 
 T0 = 1_800_000_000_000_000_000
@@ -35,12 +35,12 @@ class Engine:
 
     def __init__(self, role: str, instance: str, clock, *, cluster: str = "default", tp_rank: int = 0,
                  tp_size: int = 1, **cfg):
-        self.exporter = InMemorySpanExporter()
+        self.transport = MemoryTransport()
         self.clock = clock
         self.rec = Recorder(
             RecorderConfig(role=role, instance=instance, cluster=cluster, heartbeat_s=1.0, tp_rank=tp_rank,
                            tp_size=tp_size, **cfg),
-            exporter=self.exporter, clock=clock, environ={},
+            transport=self.transport, clock=clock, environ={},
         )
 
     def request(self, heartbeat: bool = False):
@@ -49,9 +49,7 @@ class Engine:
         if heartbeat:
             self.rec.heartbeat()
         self.rec.flush()
-        spans = self.exporter.get_finished_spans()
-        self.exporter.clear()
-        return encode_spans(spans)
+        return one_request(self.transport)
 
     def send(self, tracker: Tracker, heartbeat: bool = True):
         return ingest(tracker, self.request(heartbeat))

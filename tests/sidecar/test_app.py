@@ -10,15 +10,20 @@ import pytest
 from opentelemetry.exporter.otlp.proto.http import Compression
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
 from pdwatch import contract as c
+from pdwatch.engine_patches.otlp_http import MemoryTransport
 from pdwatch.engine_patches.recorder import Recorder, RecorderConfig
+from tests.support.otlp_spans import one_request, views
 from tests.support.waiting import wait_for
 
 
-def recorder(url, role, instance, compression=Compression.NoCompression, headers=None):
-    exporter = OTLPSpanExporter(endpoint=f"{url}/v1/traces", compression=compression, headers=headers, timeout=5)
-    return Recorder(RecorderConfig(role=role, instance=instance, heartbeat_s=1.0), exporter=exporter, environ={})
+def recorder(url, role, instance, compression="none", headers=None):
+    return Recorder(RecorderConfig(role=role, instance=instance, heartbeat_s=1.0, endpoint=url,
+                                   compression=compression, headers=headers or {}), environ={})
 
 
 def send_incident(rec_p, rec_d, n_ok=3, n_hung=2):
@@ -42,7 +47,7 @@ def send_incident(rec_p, rec_d, n_ok=3, n_hung=2):
         assert rec.flush()
 
 
-@pytest.mark.parametrize("compression", [Compression.NoCompression, Compression.Gzip])
+@pytest.mark.parametrize("compression", ["none", "gzip"])
 def test_otlp_exporter_to_stuck_api_and_request_detail(live_sidecar, compression):
     sc = live_sidecar(floor_transfer_s=0.3)
     p = recorder(sc.url, "prefill", "prefill-0", compression)
@@ -73,6 +78,26 @@ def test_otlp_exporter_to_stuck_api_and_request_detail(live_sidecar, compression
     assert httpx.get(f"{sc.url}/api/v1/requests/not-an-id").status_code == 400
     p.shutdown(1)
     d.shutdown(1)
+
+
+def test_the_otel_sdks_own_exporter_gets_through_gzipped(live_sidecar):
+    """Another OTel SDK process, not pdwatch's recorder, sending a contract heartbeat: the SDK's span,
+    its OTLP/HTTP exporter, gzip."""
+    sc = live_sidecar()
+    kept = MemoryTransport()
+    rec = Recorder(RecorderConfig(role="decode", instance="decode-sdk", heartbeat_s=1.0), transport=kept,
+                   environ={})
+    rec.heartbeat()
+    assert rec.flush()
+    (hb,) = views(one_request(kept))
+    provider = TracerProvider(resource=Resource(hb.resource.attributes))
+    provider.add_span_processor(SimpleSpanProcessor(
+        OTLPSpanExporter(endpoint=f"{sc.url}/v1/traces", compression=Compression.Gzip, timeout=5)))
+    provider.get_tracer("elsewhere").start_span(hb.name, attributes=hb.attributes).end()
+    provider.shutdown()
+    assert wait_for(lambda: sc.sidecar.tracker.heartbeats_received == 1)
+    assert [k[1] for k in sc.sidecar.tracker.instances] == ["decode-sdk"]
+    rec.shutdown(1)
 
 
 def test_metrics_expose_the_contract_names_and_exemplars(live_sidecar):
@@ -187,11 +212,11 @@ def test_token_guards_ingest_and_api_but_not_metrics_or_health(live_sidecar):
     good.heartbeat()
     assert good.flush()
     assert wait_for(lambda: sc.sidecar.tracker.heartbeats_received == 1)
-    assert good.sink.exporter.failed_spans == 0
+    assert good.export.failed_spans == 0
     bad = recorder(sc.url, "decode", "decode-1")
     bad.heartbeat()
     bad.flush()
-    assert bad.sink.exporter.failed_spans == 1
+    assert bad.export.failed_spans == 1
     assert "s3cret" not in repr(sc.sidecar.settings)
     good.shutdown(1)
     bad.shutdown(1)

@@ -172,8 +172,6 @@ class Incident:
 
 def feed_stuck_legs(sc: LiveSidecar, clock: FakeClock, n: int, token: str | None = None) -> None:
     """`n` prefill legs hung in transfer past its floor, and one that finished (others flow): n stuck legs."""
-    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
-
     chunk = 2048
     e = Engine("prefill", "prefill-0", clock, inventory_max=chunk, max_export_queue=1 << 20, buffer_max=1 << 22,
                max_open_legs=n + chunk)
@@ -191,9 +189,7 @@ def feed_stuck_legs(sc: LiveSidecar, clock: FakeClock, n: int, token: str | None
             e.rec.drain()
             e.rec.heartbeat()
             e.rec.flush()
-            body = encode_spans(e.exporter.get_finished_spans())
-            e.exporter.clear()
-            http.post("/v1/traces", content=body.SerializeToString()).raise_for_status()
+            http.post("/v1/traces", content=e.request().SerializeToString()).raise_for_status()
         sc.judge_now()
     finally:
         e.rec.shutdown(timeout_s=1)

@@ -34,7 +34,6 @@ from array import array
 from types import SimpleNamespace
 
 import pytest
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
 from pdwatch.engine_patches.recorder import Recorder, RecorderConfig
@@ -42,6 +41,7 @@ from pdwatch.engine_patches.sglang import hooks
 from pdwatch.engine_patches.sglang.state import state
 from pdwatch.engine_patches.sglang.targets import TARGETS
 from pdwatch.testbed.processes import free_port as _free_port
+from tests.support.otlp_spans import KeptSpans
 
 ROOM = 9_001
 
@@ -65,7 +65,7 @@ class Recording:
         from sglang.srt.managers.scheduler import Scheduler
 
         state.reset()
-        self.exporter = InMemorySpanExporter()
+        self.kept = KeptSpans()
         sched = object.__new__(Scheduler)
         sched.disaggregation_mode = DisaggregationMode(role_mode)
         sched.transfer_backend = TransferBackend(backend)
@@ -75,14 +75,14 @@ class Recording:
         def factory(role, **overrides):
             overrides.update(tp_rank=tp_rank, tp_size=2, owns_requests=tp_rank == 0)
             cfg = RecorderConfig(role=role, instance=f"{role}-0", heartbeat_s=60, **overrides)
-            return Recorder(cfg, exporter=self.exporter, environ={})
+            return Recorder(cfg, transport=self.kept.transport, environ={})
 
         state.start_for_scheduler(sched, recorder_factory=factory)
         self.rec = state.rec
 
     def spans(self, name=None):
         self.rec.flush()
-        out = self.exporter.get_finished_spans()
+        out = self.kept.get_finished_spans()
         return [s for s in out if name is None or s.name == name]
 
     def heartbeat(self) -> dict:

@@ -10,7 +10,6 @@ import sys
 
 import httpx
 import pytest
-from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdwatch.engine_patches.recorder import Recorder, RecorderConfig
@@ -63,8 +62,7 @@ def sidecar(gpus, stub_library, tmp_path):
 
 
 def engine(url: str, role: str, instance: str, **cfg) -> Recorder:
-    exporter = OTLPSpanExporter(endpoint=f"{url}/v1/traces", timeout=5)
-    return Recorder(RecorderConfig(role=role, instance=instance, heartbeat_s=1.0, **cfg), exporter=exporter, environ={})
+    return Recorder(RecorderConfig(role=role, instance=instance, heartbeat_s=1.0, endpoint=url, **cfg), environ={})
 
 
 def test_sidecar_samples_and_joins_emulated_gpus(gpus, sidecar):

@@ -1,0 +1,44 @@
+"""How pdwatch writes attribute values into OTLP messages, for everyone who sends spans.
+
+The engine's spans (engine_patches/otlp.py) and the sidecar's `pd.stuck`
+spans (sidecar/forward.py) both go through these two functions, so one value
+is written one way wherever it comes from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyValue
+
+
+class HasAttributes(Protocol):
+    @property
+    def attributes(self) -> Any: ...  # a repeated KeyValue field: a span's or a resource's
+
+
+def set_value(value: AnyValue, v: Any) -> None:
+    """Write one attribute value; bool before int, as True is an int too."""
+    if isinstance(v, str):
+        value.string_value = v
+    elif isinstance(v, bool):
+        value.bool_value = v
+    elif isinstance(v, int):
+        value.int_value = v
+    elif isinstance(v, float):
+        value.double_value = v
+    elif isinstance(v, Sequence):
+        array: ArrayValue = value.array_value
+        for item in v:
+            set_value(array.values.add(), item)
+    else:  # not an OTel attribute type: kept readable rather than lost
+        value.string_value = str(v)
+
+
+def add_attributes(message: HasAttributes, attrs: Mapping[str, Any]) -> None:
+    """Append `attrs`, in their order, to the message's attributes."""
+    for key, v in attrs.items():
+        kv: KeyValue = message.attributes.add()
+        kv.key = key
+        set_value(kv.value, v)
