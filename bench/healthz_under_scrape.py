@@ -21,9 +21,8 @@ import threading
 import time
 
 import httpx
-from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from pdwatch.engine_patches.otlp_http import MemoryTransport
 from pdwatch.engine_patches.recorder import Recorder, RecorderConfig
 from pdwatch.testbed.sidecar_process import SidecarProcess
 
@@ -31,29 +30,28 @@ PER_INSTANCE = 2000
 PB = {"Content-Type": "application/x-protobuf"}
 
 
-def engines(legs: int) -> list[tuple[Recorder, InMemorySpanExporter]]:
+def engines(legs: int) -> list[tuple[Recorder, MemoryTransport]]:
     out = []
     for i in range((legs + PER_INSTANCE - 1) // PER_INSTANCE):
-        exporter = InMemorySpanExporter()
+        kept = MemoryTransport()
         rec = Recorder(RecorderConfig(role="decode", instance=f"bench-decode-{i}", heartbeat_s=2.0,
                                       inventory_max=PER_INSTANCE, max_export_queue=1 << 16),
-                       exporter=exporter, environ={})
+                       transport=kept, environ={})
         for j in range(min(PER_INSTANCE, legs - i * PER_INSTANCE)):
             rid = f"d-{i}-{j}"
             rec.arrive(rid, bootstrap_room=i * PER_INSTANCE + j)
             rec.enter(rid, "bootstrap")
         rec.drain()
-        out.append((rec, exporter))
+        out.append((rec, kept))
     return out
 
 
-def heartbeats(made: list[tuple[Recorder, InMemorySpanExporter]]) -> list[bytes]:
+def heartbeats(made: list[tuple[Recorder, MemoryTransport]]) -> list[bytes]:
     bodies = []
-    for rec, exporter in made:
+    for rec, kept in made:
         rec.heartbeat()
         rec.flush()
-        bodies.append(encode_spans(exporter.get_finished_spans()).SerializeToString())
-        exporter.clear()
+        bodies.append(b"".join(kept.take()))
     return bodies
 
 

@@ -26,10 +26,9 @@ import threading
 import time
 
 import httpx
-from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from pdwatch.engine_patches.otlp_http import MemoryTransport
 from pdwatch.engine_patches.recorder import Recorder, RecorderConfig
 from pdwatch.testbed.sidecar_process import SidecarProcess
 
@@ -37,12 +36,13 @@ PREFILL = ("bootstrap", "queued", "prefill", "transfer")
 
 
 def build_bodies(n_requests: int, per_request: int) -> tuple[list[bytes], int]:
-    exporter = InMemorySpanExporter()
+    kept = MemoryTransport()
     rec = Recorder(RecorderConfig(role="prefill", instance="bench-prefill-0", heartbeat_s=1.0, max_export_queue=1 << 20,
-                                  buffer_max=1 << 22), exporter=exporter, environ={})
+                                  buffer_max=1 << 22), transport=kept, environ={})
     bodies, spans_total, room = [], 0, 0
     while len(bodies) < n_requests:
-        while len(exporter.get_finished_spans()) < per_request - 1:
+        first = rec.export.queued
+        for _ in range((per_request - 1) // (len(PREFILL) + 1)):  # five spans a leg, and a heartbeat
             rid = f"p-{room}"
             rec.arrive(rid, bootstrap_room=room, prompt_tokens=512, peer="decode-0")
             for stage in PREFILL:
@@ -50,14 +50,11 @@ def build_bodies(n_requests: int, per_request: int) -> tuple[list[bytes], int]:
             rec.transfer_info(rid, nbytes=1 << 20, backend="nixl")
             rec.finish(rid)
             room += 1
-            rec.drain()
-            rec.flush()
+        rec.drain()
         rec.heartbeat()
-        rec.flush()
-        spans = exporter.get_finished_spans()
-        exporter.clear()
-        bodies.append(encode_spans(spans).SerializeToString())
-        spans_total += len(spans)
+        rec.flush()  # one request, as the recorder's worker sends what it wrote since its last post
+        bodies.append(b"".join(kept.take()))
+        spans_total += rec.export.queued - first
     rec.shutdown(1)
     return bodies, spans_total
 

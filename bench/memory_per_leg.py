@@ -21,10 +21,9 @@ import sys
 import time
 import tracemalloc
 
-from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from pdwatch.engine_patches.otlp_http import MemoryTransport
 from pdwatch.engine_patches.recorder import Recorder, RecorderConfig
 from pdwatch.sidecar.tracker import Tracker
 
@@ -32,11 +31,11 @@ CHUNK = 2048  # legs per OTLP body; the inventory limit, so each heartbeat lists
 
 
 def build_bodies(n_legs: int) -> list[bytes]:
-    exporter = InMemorySpanExporter()
+    kept = MemoryTransport()
     # The recorder's own cap on open legs (65,536 by default) must not evict before the sidecar sees them.
     rec = Recorder(RecorderConfig(role="prefill", instance="bench-prefill-0", heartbeat_s=3600.0,
                                   max_export_queue=1 << 20, buffer_max=1 << 22, max_open_legs=n_legs + CHUNK),
-                   exporter=exporter, environ={})
+                   transport=kept, environ={})
     bodies = []
     try:
         for start in range(0, n_legs, CHUNK):
@@ -48,9 +47,7 @@ def build_bodies(n_legs: int) -> list[bytes]:
             rec.drain()
             rec.heartbeat()
             rec.flush()
-            spans = exporter.get_finished_spans()
-            exporter.clear()
-            bodies.append(encode_spans(spans).SerializeToString())
+            bodies.append(b"".join(kept.take()))
     finally:
         rec.shutdown(1)
     return bodies
@@ -58,13 +55,13 @@ def build_bodies(n_legs: int) -> list[bytes]:
 
 def empty_body() -> bytes:
     """One heartbeat of a process with nothing open: what any tracker holds before its first leg."""
-    exporter = InMemorySpanExporter()
+    kept = MemoryTransport()
     rec = Recorder(RecorderConfig(role="prefill", instance="bench-prefill-0", heartbeat_s=3600.0),
-                   exporter=exporter, environ={})
+                   transport=kept, environ={})
     try:
         rec.heartbeat()
         rec.flush()
-        return encode_spans(exporter.get_finished_spans()).SerializeToString()
+        return b"".join(kept.take())
     finally:
         rec.shutdown(1)
 

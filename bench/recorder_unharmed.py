@@ -69,7 +69,7 @@ def drive(rec: Recorder, requests: int, start: int) -> tuple[float, int, int]:
             # Sampled once a burst, so that sampling is not what is measured; the pause
             # (not counted: thread CPU time) paces the engine at a busy server's rate.
             peak_buf = max(peak_buf, len(rec._buf))
-            peak_queue = max(peak_queue, rec.sink.ended - rec.sink.exporter.taken)
+            peak_queue = max(peak_queue, rec.export.waiting)
             time.sleep(PAUSE_S)
     per_call = (time.thread_time_ns() - t) / (requests * 6)
     return per_call, peak_buf, peak_queue
