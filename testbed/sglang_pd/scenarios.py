@@ -31,6 +31,18 @@ def _long_decode_shape(params: Params, rng: random.Random, index: int) -> tuple[
     return prompt, out
 
 
+# The long-prompt-wedge's cut: a write of this many tokens or more hangs. Only every
+# fifth prompt reaches it (one chunk: the servers' chunked prefill is 512 tokens).
+LONG_PROMPT_TOKENS = 200
+
+
+def _some_long_prompts(params: Params, rng: random.Random, index: int) -> tuple[int, int]:
+    prompt, out = default_shape(params, rng, index)
+    if index % 5 == 2:
+        prompt = rng.randint(LONG_PROMPT_TOKENS + 100, LONG_PROMPT_TOKENS + 200)
+    return prompt, out
+
+
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("healthy", "steady load through SGLang's router; every request completes", shape=default_shape),
     Scenario(
@@ -83,6 +95,17 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
         actions=lambda params: [(params.restart_at, "wedge", "decode-0")],
         expects_stuck=True,
         family="transfer_wedge",
+    ),
+    Scenario(
+        "long-prompt-wedge",
+        f"from restart_at the prefill's NIXL writes of {LONG_PROMPT_TOKENS} tokens or more never complete, "
+        "whichever decode they go to: the long prompts (every fifth request) hang in transfer on both legs "
+        "while shorter ones keep completing through both decodes",
+        shape=_some_long_prompts,
+        actions=lambda params: [(params.restart_at, "wedge_long", "prefill-0")],
+        expects_stuck=True,
+        family="transfer_wedge",
+        tags=("contrast",),
     ),
 )}
 

@@ -232,14 +232,14 @@ class SglangStack(StackBase):
         return self._event("restart", instance=instance, t=t, old_agent=old_agent,
                            new_agent=self.agents().get(instance), ready_after_s=round(time.time() - t, 3))
 
-    def _write_faults(self, key: str, instances: list[str]) -> None:
+    def _write_faults(self, key: str, value: list[str] | int) -> None:
         """Set one fault of the CPU support plugin's fault file, keeping the others."""
         path = self.state_dir / "faults.json"
         try:
             faults = json.loads(path.read_text())
         except (OSError, ValueError):
             faults = {}
-        faults[key] = instances
+        faults[key] = value
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(faults))
         os.replace(tmp, path)
@@ -248,6 +248,11 @@ class SglangStack(StackBase):
         """From now on the prefill's NIXL writes to this decode's agent never complete."""
         self._write_faults("wedge_instances", [instance])
         self._event("wedge", instance=instance, agent=self.agents().get(instance))
+
+    def _action_wedge_long(self, instance: str) -> None:
+        """From now on the prefill's NIXL writes of scenarios.LONG_PROMPT_TOKENS tokens or more never complete."""
+        self._write_faults("wedge_min_tokens", scenarios.LONG_PROMPT_TOKENS)
+        self._event("wedge_long", instance=instance, min_tokens=scenarios.LONG_PROMPT_TOKENS)
 
     def _action_freeze_loop(self, instance: str) -> None:
         """From now on this server's scheduler thread blocks at its next batch (heartbeats go on)."""

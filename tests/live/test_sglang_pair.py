@@ -423,6 +423,44 @@ def test_transfer_wedge_contrast_names_the_wedged_decode(transfer_wedge):
     assert all(x["stuck"] - x["flowing"] >= 0.5 for x in contrast), contrast
 
 
+# ---- long-prompt-wedge: only the long prompts' KV writes hang (what the stuck ones share) ---------
+
+
+@pytest.fixture(scope="module")
+def long_prompt_wedge(live_world):
+    def until(run) -> bool:
+        wedged = run.event("wedge_long")
+        last = run.polls[-1] if run.polls else None
+        return (wedged is not None and last is not None and time.time() > wedged["t"] + FLOORS_S["transfer"] + 15
+                and any(d.get("contrast") for d in last["diagnosis"]))
+
+    return run_live(live_world, "long-prompt-wedge", seconds=90.0, rate=2.0, restart_at=8.0, until=until)
+
+
+def test_long_prompt_wedge_contrast_names_the_prompt_length(long_prompt_wedge):
+    from pdwatch.testbed.sglang_pd.scenarios import LONG_PROMPT_TOKENS
+
+    run = long_prompt_wedge
+    wedged = run.event("wedge_long")
+    assert wedged is not None, run.events
+    stuck = run.stuck_ever()
+    long_ones = {r.trace_id for r in run.truth.requests if r.prompt_tokens >= LONG_PROMPT_TOKENS}
+    print("stuck:", sorted({(s["role"], s["stage"], s["pd_instance"]) for s in stuck}))
+    # SGLang's own KV sender holds them: only long prompts hang, on either decode; short ones flow.
+    assert stuck and {s["trace_id"] for s in stuck} <= long_ones, [s for s in stuck if s["trace_id"] not in long_ones]
+    assert {s["stage"] for s in stuck if s["role"] == "prefill"} == {"transfer"}
+    assert ok_after(run, wedged["t"] + 1), "the short prompts stopped completing"
+    last = next(d for p in reversed(run.polls) for d in p["diagnosis"] if d.get("contrast"))
+    contrast = last["contrast"]
+    print("contrast:", [(x["attribute"], x["value"], x.get("role"), x["stuck"], x["flowing"]) for x in contrast])
+    top = contrast[0]
+    # The longest short prompt is 128 tokens and the shortest long one 300: the cut lies between.
+    assert top["attribute"] == "prompt_tokens" and top["value"].startswith(">= "), contrast
+    assert 128 < int(top["value"][3:]) <= LONG_PROMPT_TOKENS + 100, top
+    assert top["stuck"] == 1.0 and top["flowing"] == 0.0, top
+    assert last["family"] == "transfer_wedge", last
+
+
 # ---- freeze-loop: a scheduler that stops while its process heartbeats (contract section 5b) -----
 
 

@@ -13,6 +13,10 @@ three things, none of them in pdwatch's own hooks:
   decode's agent are never posted and their state reads `PROC` for ever, as a
   transfer to a wedged peer does. SGLang's KV sender keeps polling, the
   request stays in its inflight queue; nothing in SGLang times it out.
+- the `long-prompt-wedge` fault, at the same boundary: once the fault file
+  gives `wedge_min_tokens`, every KV write of at least that many tokens (the
+  pages of the write over the KV buffers it spans, times the page size) is
+  never posted either, whichever decode it goes to.
 - the `freeze-loop` fault, in SGLang's own scheduler: while the fault file
   names this server's instance, its scheduler thread blocks at the start of
   its next batch (`Scheduler.run_batch`), as a rank blocks in a collective or
@@ -56,6 +60,8 @@ def plugin() -> None:
 def _kv_pool_in_dram(self, args, *rest, **kwargs):
     ptrs = getattr(args, "kv_data_ptrs", None) or []
     args.kv_data_mem_kinds = ["DRAM"] * len(ptrs)
+    # SGLang's prepped KV write lists each page once per KV buffer (repeat_indices_over_layers).
+    WEDGE.kv_layout = (len(getattr(args, "kv_item_lens", None) or ptrs) or 1, int(getattr(args, "page_size", 1) or 1))
 
 
 def _state_dir() -> str | None:
@@ -152,6 +158,9 @@ class _Wedge:
         self.handles: dict[int, str] = {}  # xfer or prepped-dlist handle value -> remote agent
         self.hung: set[int] = set()  # handles of writes that were never posted
         self.logged: set[str] = set()
+        self.min_tokens = 0  # writes of at least this many tokens hang (0: none do)
+        self.long: set[int] = set()  # handles of such writes, before their post
+        self.kv_layout = (1, 1)  # (KV buffers a write spans, tokens a page)
 
     def refresh(self) -> frozenset[str]:
         now = time.monotonic()
@@ -169,7 +178,9 @@ class _Wedge:
         if mtime != self._mtime:
             self._mtime = mtime
             try:
-                wanted = _faults().get("wedge_instances", [])
+                faults = _faults()
+                self.min_tokens = int(faults.get("wedge_min_tokens") or 0)
+                wanted = faults.get("wedge_instances", [])
                 names = set()
                 for instance in wanted:
                     with open(os.path.join(folder, f"agent-{instance}.json")) as f:
@@ -185,16 +196,36 @@ class _Wedge:
                 self.handles.pop(next(iter(self.handles)))
             self.handles[_key(handle)] = agent
 
+    def note_size(self, handle, indices) -> None:
+        """At the making of a prepped write: remember it if it is long enough to hang."""
+        self.refresh()
+        if not self.min_tokens:
+            return
+        buffers, page = self.kv_layout
+        tokens = len(indices) // buffers * page
+        if tokens >= self.min_tokens:
+            with self._lock:
+                if len(self.long) >= 65536:
+                    self.long.pop()
+                self.long.add(_key(handle))
+            if "long" not in self.logged:
+                self.logged.add("long")
+                log.warning("pdwatch testbed fault: NIXL writes of %d tokens and more hang from now on",
+                            self.min_tokens)
+
     def hangs(self, handle) -> bool:
-        """At the post: a write to a wedged agent is never posted, and hangs from then on."""
-        agent = self.handles.get(_key(handle))
-        if agent is None or agent not in self.refresh():
+        """At the post: a write to a wedged agent, or a long one, is never posted, and hangs from then on."""
+        key = _key(handle)
+        agent = self.handles.get(key)
+        long = key in self.long
+        if not long and (agent is None or agent not in self.refresh()):
             return False
         with self._lock:
+            self.long.discard(key)
             if len(self.hung) >= 65536:
                 self.hung.pop()
-            self.hung.add(_key(handle))
-        if agent not in self.logged:
+            self.hung.add(key)
+        if not long and agent not in self.logged:
             self.logged.add(agent)
             log.warning("pdwatch testbed fault: NIXL writes to agent %s hang from now on", agent)
         return True
@@ -223,6 +254,7 @@ def _install_wedge() -> None:
         agent = WEDGE.handles.get(_key(remote_side))
         if agent is not None:
             WEDGE.remember(handle, agent)
+        WEDGE.note_size(handle, local_indices)
         return handle
 
     def initialize_xfer(self, operation, local_descs, remote_descs, remote_agent, *args, **kwargs):
