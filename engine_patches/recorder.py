@@ -145,6 +145,7 @@ class Recorder:
         heartbeat_s = cfg.heartbeat_s
         assert heartbeat_s is not None  # resolved() sets it
         next_beat = time.monotonic()  # first heartbeat at once: the sidecar learns the instance
+        interval = min(cfg.drain_interval_s, heartbeat_s)  # a heartbeat setting shorter than a drain is kept
         while not self._stop.is_set():
             try:
                 self.drain()
@@ -155,7 +156,7 @@ class Recorder:
             except Exception:
                 self.worker_errors += 1
                 log.debug("pdwatch recorder worker error", exc_info=True)
-            self._stop.wait(cfg.drain_interval_s)
+            self._stop.wait(interval)
 
     def drain(self) -> int:
         """Apply buffered records and emit the spans they complete."""

@@ -431,10 +431,12 @@ def long_prompt_wedge(live_world):
     def until(run) -> bool:
         wedged = run.event("wedge_long")
         last = run.polls[-1] if run.polls else None
-        return (wedged is not None and last is not None and time.time() > wedged["t"] + FLOORS_S["transfer"] + 15
+        return (wedged is not None and last is not None and time.time() > wedged["t"] + FLOORS_S["transfer"] + 5
                 and any(d.get("contrast") for d in last["diagnosis"]))
 
-    return run_live(live_world, "long-prompt-wedge", seconds=90.0, rate=2.0, restart_at=8.0, until=until)
+    # Each hung long prompt holds its KV on both sides; soon the pools run dry and everything waits in
+    # bootstrap or queue. The test reads the first verdicts, before that cascade, and stops early.
+    return run_live(live_world, "long-prompt-wedge", seconds=90.0, rate=1.5, restart_at=8.0, until=until)
 
 
 def test_long_prompt_wedge_contrast_names_the_prompt_length(long_prompt_wedge):
@@ -443,14 +445,17 @@ def test_long_prompt_wedge_contrast_names_the_prompt_length(long_prompt_wedge):
     run = long_prompt_wedge
     wedged = run.event("wedge_long")
     assert wedged is not None, run.events
-    stuck = run.stuck_ever()
+    first = run.first(lambda p: p["stuck"])
+    assert first is not None, "no leg was ever named stuck"
+    stuck = first["stuck"]
     long_ones = {r.trace_id for r in run.truth.requests if r.prompt_tokens >= LONG_PROMPT_TOKENS}
-    print("stuck:", sorted({(s["role"], s["stage"], s["pd_instance"]) for s in stuck}))
-    # SGLang's own KV sender holds them: only long prompts hang, on either decode; short ones flow.
-    assert stuck and {s["trace_id"] for s in stuck} <= long_ones, [s for s in stuck if s["trace_id"] not in long_ones]
-    assert {s["stage"] for s in stuck if s["role"] == "prefill"} == {"transfer"}
+    print("first stuck:", sorted({(s["role"], s["stage"], s["pd_instance"]) for s in stuck}),
+          "ever:", sorted({(s["role"], s["stage"], s["pd_instance"]) for s in run.stuck_ever()}))
+    # SGLang's own KV sender holds them: the first named are long prompts in transfer; short ones flow.
+    assert {s["trace_id"] for s in stuck} <= long_ones, [s for s in stuck if s["trace_id"] not in long_ones]
+    assert {s["stage"] for s in stuck} == {"transfer"}, stuck
     assert ok_after(run, wedged["t"] + 1), "the short prompts stopped completing"
-    last = next(d for p in reversed(run.polls) for d in p["diagnosis"] if d.get("contrast"))
+    last = next(d for p in run.polls for d in p["diagnosis"] if d.get("contrast"))
     contrast = last["contrast"]
     print("contrast:", [(x["attribute"], x["value"], x.get("role"), x["stuck"], x["flowing"]) for x in contrast])
     top = contrast[0]

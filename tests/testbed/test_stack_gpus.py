@@ -40,7 +40,7 @@ def test_tp_desync_spins_rank_0_and_freezes_its_loop(tmp_path):
             wait_for(lambda: state_devices(emu.path)[d0]["utilization_gpu"] == "100"
                      and 250_000 < int(state_devices(emu.path)[d0]["power_mw"]) < 400_000, 5, "rank 0 spinning")
             wait_for(lambda: state_devices(emu.path)[d0r1]["utilization_gpu"] == "0", 5, "rank 1 idle")
-            time.sleep(2.0)
+            time.sleep(3.5)  # three heartbeats (1 s) after the freeze, with the recorder's 1 s wake-ups
             # Both ranks heartbeat; rank 0's loop counter no longer moves.
             beats = [s for s in sink.heartbeats("decode-0") if s.resource.get(c.R_TP_RANK) == 0]
             recent = [s.attrs[c.H_LOOP] for s in sorted(beats, key=lambda s: s.end_ns)[-3:]]
