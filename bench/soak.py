@@ -30,12 +30,13 @@ import time
 
 import httpx
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from opentelemetry.proto.common.v1.common_pb2 import KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pdwatch import contract as c
+from pdwatch.contract.otlp import set_value
 from pdwatch.sidecar.overload import read_rss_bytes
 from pdwatch.testbed.sidecar_process import SidecarProcess
 
@@ -50,20 +51,9 @@ def rss_bytes(pid: int) -> int:
 
 
 def _kv(key: str, value) -> KeyValue:
-    v = AnyValue()
-    if isinstance(value, str):
-        v.string_value = value
-    elif isinstance(value, float):
-        v.double_value = value
-    elif isinstance(value, int):
-        v.int_value = value
-    elif isinstance(value, list):
-        arr = v.array_value.values
-        if value and isinstance(value[0], str):
-            arr.extend(AnyValue(string_value=x) for x in value)
-        else:
-            arr.extend(AnyValue(int_value=x) for x in value)
-    return KeyValue(key=key, value=v)
+    kv = KeyValue(key=key)
+    set_value(kv.value, value)  # the writer the engine and the forwarder use
+    return kv
 
 
 class Engines:

@@ -30,7 +30,7 @@ def set_value(value: AnyValue, v: Any) -> None:
         value.double_value = v
     elif isinstance(v, Sequence):
         array: ArrayValue = value.array_value
-        value.array_value.SetInParent()  # an empty list is a list, not a missing value
+        array.SetInParent()  # an empty list is a list, not a missing value
         for item in v:
             set_value(array.values.add(), item)
     else:  # not an OTel attribute type: kept readable rather than lost
