@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pdwatch import contract as c
@@ -59,6 +59,15 @@ HEADLINE_FOR = "5s"
 HOLD = "55s"
 EVIDENCE_BY_LEG_KEY = f"max by ({LEG_KEY}) ({c.STUCK_EVIDENCE.name})"
 HELD_BY_LEG_KEY = f"max by ({LEG_KEY}) (min_over_time({c.STUCK.name}[{HOLD}]))"
+
+
+# Collective desync, two paths likewise: a loop frozen past the loop rule (pdwatch_engine_loop_frozen:
+# with legs open, contract section 5b; or idle, a loop known to turn while idle) is proof and pages
+# after HEADLINE_FOR; a suspicion on a stalled loop alone must hold for HOLD first, 1m in all as before.
+DESYNC = 'pdwatch_suspected_failure{family="collective_desync"}'
+DESYNC_EXPR = (f"(\n  max by (cluster, family) ({DESYNC}) == 1\n  and on (cluster)\n"
+               "  max by (cluster) (pdwatch_engine_loop_frozen) == 1\n)\nor\n"
+               f"  max by (cluster, family) (min_over_time({DESYNC}[{HOLD}])) == 1")
 
 
 def _q(template_query: str, *args: str) -> str:
@@ -177,7 +186,7 @@ GROUPS = (
             + " leg(s) stuck in bootstrap while others flow."
             " Inspect the bootstrap server and peers; with a recent lone restart, co-restart the PD pair.",
         ),
-        _family(
+        replace(_family(
             COLLECTIVE_DESYNC, "collective_desync", "critical",
             "The sidecar suspects a collective desync: an engine loop frozen while it heartbeats.",
             "pdwatch diagnoses collective_desync in cluster {{ $labels.cluster }}. Instances whose engine "
@@ -187,7 +196,7 @@ GROUPS = (
                     item="{{ .Labels.pd_instance }}")
             + "(GPUs at >= 90 % utilization confirm a collective hang; the sidecar's diagnosis says what "
             "they read). Dump stacks, check the collective library, restart the TP group.",
-        ),
+        ), expr=DESYNC_EXPR, for_=HEADLINE_FOR),
         _family(
             QUEUE_STARVATION, "queue_starvation", "warning",
             "Legs starve in a queue while the same instance serves others.",

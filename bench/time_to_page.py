@@ -17,6 +17,14 @@ stuck leg and when the page reaches the webhook:
               loop_frozen). Judged from the fault; goal: named within one
               heartbeat interval + 1 s of the evidence being complete, paged
               within 20 s.
+  idle loop   tp-desync-idle: the rank hangs while its instance holds no
+              request, so no leg of it is ever open and none is stuck on
+              evidence; the frozen loop itself pages, as
+              PDCollectiveDesyncSuspected. Judged from the fault; goal: paged
+              within 20 s ("named" is the prefill's first threshold-stuck leg).
+
+A page is the first of PDRequestStuckWhileOthersFlow and
+PDCollectiveDesyncSuspected (both critical) to reach the webhook.
 
 The threshold path is the baseline the evidence path is compared with.
 
@@ -30,12 +38,14 @@ import logging
 import statistics
 import time
 
+from pdwatch import contract as c
 from pdwatch.alerts.generate import HEADLINE_FOR, HOLD
 from pdwatch.testbed.monitoring import Monitoring
 from pdwatch.testbed.sidecar_process import SidecarProcess
 
-HEADLINE = "PDRequestStuckWhileOthersFlow"
-FAULTS = {"decode-restart": "killed", "tp-desync": "desync"}
+HEADLINE = c.ALERT_STUCK_WHILE_OTHERS_FLOW
+PAGES = (HEADLINE, c.ALERT_COLLECTIVE_DESYNC)
+FAULTS = {"decode-restart": "killed", "tp-desync": "desync", "tp-desync-idle": "desync"}
 EVIDENCE_GOAL_S = 20.0
 
 
@@ -44,15 +54,17 @@ def seconds(text: str) -> float:
 
 
 def one_run(args, scenario: str, seed: int) -> dict:
+    from pdwatch.testbed import scenarios
     from pdwatch.testbed.stack import Stack
 
     env = {"PDWATCH_FLOOR_TRANSFER_S": str(args.floor_transfer_s), "PDWATCH_LOG_LEVEL": "warning",
            "PDWATCH_NVML": "off"}
     with SidecarProcess(env=env) as sc, Monitoring([sc.url], scrape_interval_s=args.scrape_s) as mon:
-        stack = Stack(scenario, otlp_endpoint=sc.url, heartbeat_s=args.heartbeat_s, rate=args.rate,
+        rate = args.rate if args.rate is not None else scenarios.get(scenario).rate or 3.0
+        stack = Stack(scenario, otlp_endpoint=sc.url, heartbeat_s=args.heartbeat_s, rate=rate,
                       restart_at=5.0, seed=seed)
         out: dict = {"fault": None, "hang": None, "named": None, "reason": None, "paged": None,
-                     "scrape_s": mon.scrape_s}
+                     "alert": None, "scrape_s": mon.scrape_s}
         try:
             stack.start()
             out["started"] = time.time()
@@ -67,9 +79,9 @@ def one_run(args, scenario: str, seed: int) -> dict:
                         out["named"] = time.time()
                         out["hang"] = min(s["stage_since_unix_s"] for s in stuck)
                         out["reason"] = sorted({s["reason"] for s in stuck})
-                pages = mon.webhook.alerts(HEADLINE)
+                pages = sorted((p[0], name) for name in PAGES for p in mon.webhook.alerts(name))
                 if pages:
-                    out["paged"] = pages[0][0]
+                    out["paged"], out["alert"] = pages[0]
                     return out
                 time.sleep(0.25)
             return out
@@ -83,9 +95,10 @@ def main() -> None:
     ap.add_argument("--floor-transfer-s", type=float, default=15.0)
     ap.add_argument("--scrape-s", type=float, default=2.0)
     ap.add_argument("--heartbeat-s", type=float, default=1.0)
-    ap.add_argument("--rate", type=float, default=3.0)
+    ap.add_argument("--rate", type=float, default=None,
+                    help="requests/s (default: the scenario's own rate, else 3)")
     ap.add_argument("--timeout-s", type=float, default=200.0, help="give up on a run after this long")
-    ap.add_argument("--scenarios", default="long-prompt-wedge,decode-restart,tp-desync",
+    ap.add_argument("--scenarios", default="long-prompt-wedge,decode-restart,tp-desync,tp-desync-idle",
                     help="comma-separated, from the default list (the first is the threshold baseline)")
     args = ap.parse_args()
     logging.getLogger("opentelemetry").setLevel(logging.CRITICAL)
@@ -99,7 +112,7 @@ def main() -> None:
     for scenario in chosen:
         for i in range(args.runs):
             r = one_run(args, scenario, seed=i + 1)
-            if r["paged"] is None or r["named"] is None:
+            if r["paged"] is None or (r["named"] is None and scenario != "tp-desync-idle"):
                 print(f"{scenario} run {i + 1}: no page within {args.timeout_s:.0f} s")
                 met = False
                 continue
@@ -112,14 +125,17 @@ def main() -> None:
                       f"{paged / budget:.2f}x); reasons {r['reason']}")
             else:
                 start = r["fault"]
-                named, paged = r["named"] - start, r["paged"] - start
+                named = r["named"] - start if r["named"] is not None else float("nan")
+                paged = r["paged"] - start
                 verdict = paged <= EVIDENCE_GOAL_S
-                print(f"evidence  {scenario} run {i + 1}: fault -> named {named:5.1f} s, -> page {paged:5.1f} s "
-                      f"(goal {EVIDENCE_GOAL_S:.0f} s; {paged / EVIDENCE_GOAL_S:.2f}x); reasons {r['reason']}")
+                kind = "idle loop" if scenario == "tp-desync-idle" else "evidence "
+                print(f"{kind} {scenario} run {i + 1}: fault -> named {named:5.1f} s, -> page {paged:5.1f} s "
+                      f"(goal {EVIDENCE_GOAL_S:.0f} s; {paged / EVIDENCE_GOAL_S:.2f}x) by {r['alert']}; "
+                      f"reasons {r['reason']}")
             met = met and verdict
             rows.setdefault(scenario, []).append((named, paged))
     base = rows.get("long-prompt-wedge")
-    for scenario in ("decode-restart", "tp-desync"):
+    for scenario in FAULTS:
         got = rows.get(scenario)
         if got and base:
             mine, theirs = statistics.median(p for _, p in got), statistics.median(p for _, p in base)

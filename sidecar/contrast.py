@@ -1,10 +1,10 @@
 """What distinguishes the stuck legs from the ones that flow.
 
 A pure function over facts about legs: for every attribute the sidecar knows
-of a leg (its instance, its role, its peer and whether the peer's process is
-the current one, its prompt length, whether it arrived after the latest
-restart of an instance, whether its engine recorded an error for it), the
-share of stuck legs that have it against the share of legs that finished ok
+of a leg (its instance, its role, its peer or that it has none, whether the
+peer's process is the current one, its prompt length, whether it arrived after
+the latest restart of an instance, whether its engine recorded an error for
+it), the share of stuck legs that have it against the share of legs that finished ok
 in the flow window. An attribute separates them when the difference is large;
 the best few are reported, best first. Scattered stuck legs with no common
 cause separate on nothing, and nothing is reported.
@@ -81,6 +81,10 @@ def _candidates(stuck: list[LegFacts], flowing: list[LegFacts],
         owner = next((leg.peer_owner for leg in stuck if leg.peer == peer and leg.peer_owner), None)
         named = f"{owner}'s {peer}" if owner else peer
         yield "peer", peer, _bound(lambda leg, p: leg.peer == p, peer), f"talk to {named}"
+    # A leg that never got a peer: the other side never came for it (a prefill leg whose decode half the
+    # router sent to a dead decode waits in bootstrap with none, and only the router knows where it went).
+    if any(not leg.peer for leg in stuck):
+        yield "peer", "none", (lambda leg: not leg.peer), "have no KV peer: no other side ever joined them"
     ended = sorted({leg.peer_owner or "?" for leg in stuck if leg.peer_ended})
     if ended:
         yield ("peer_process", "ended", lambda leg: leg.peer_ended,

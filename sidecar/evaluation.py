@@ -84,7 +84,7 @@ class InstanceView:
     role: str
     up: bool
     loop_stalled: bool  # 3 intervals without loop progress (pdwatch_engine_loop_stalled)
-    loop_frozen: bool  # the evidence rule of contract section 5b holds
+    loop_frozen: bool  # the loop rule of contract section 5b holds, or pdwatch's idle rule beside it
     restarts: int
     restart_times_ns: tuple[int, ...]
     start_ns: int | None  # the current process (rank 0)

@@ -75,9 +75,12 @@ class Judge:
         frozen = {(inst.cluster, inst.name): ranks for inst in t.instances.values()
                   if (ranks := t.frozen_ranks(inst, now))}
         stuck, groups, thresholds, fresh, stuck_legs = self._judge_legs(now, frozen)
+        # A loop frozen while idle names its instance, never a leg (tracker.idle_frozen_ranks).
+        frozen_any = frozen | {(inst.cluster, inst.name): ranks for inst in t.instances.values()
+                               if (ranks := t.idle_frozen_ranks(inst, now))}
         flowing = {name: cl.last_ok_ns > 0 and now - cl.last_ok_ns <= t.flow_window_ns
                    for name, cl in t.clusters.items()}
-        instances = tuple(self._instance(inst, now, frozen) for inst in t.instances.values())
+        instances = tuple(self._instance(inst, now, frozen_any) for inst in t.instances.values())
         gpus, gpu_up, reason, sampled_at = self._gpus(instances)
         self._seq += 1
         ev = Evaluation(
@@ -87,7 +90,7 @@ class Judge:
             gpu_up=gpu_up, gpu_reason=reason, gpu_sampled_at=sampled_at, gpus=gpus, diagnosis=(),
         )
         contrasts = self._contrasts(stuck_legs, now)
-        self._ask_for_stacks(stuck, frozen)
+        self._ask_for_stacks(stuck, frozen_any)
         verdicts, confidences = [], {}
         for facts in gather(ev):
             findings = classify(facts)

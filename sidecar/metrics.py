@@ -185,8 +185,9 @@ class EvaluationCollector:
         restarts = _counter(c.INSTANCE_RESTARTS, "New processes seen under the same pd.instance.")
         stalled = _gauge(c.LOOP_STALLED, "1 when a rank heartbeats but its scheduler loop counter stopped moving.")
         frozen = GaugeMetricFamily("pdwatch_engine_loop_frozen",
-                                   "1 while a rank's loop stands still with legs open past the loop rule of contract "
-                                   "section 5b (its legs are stuck on evidence, loop_frozen).",
+                                   "1 while a rank heartbeats but its loop stands still past the loop rule: with legs open "
+                                   "(contract section 5b: its legs are stuck on evidence, loop_frozen), or idle "
+                                   "when its loop is known to turn while idle.",
                                    labels=list(c.INSTANCE_KEY))
         age = GaugeMetricFamily("pdwatch_instance_heartbeat_age_seconds",
                                 "Seconds since the instance's stalest rank last heartbeated.", labels=list(c.INSTANCE_KEY))

@@ -21,6 +21,10 @@ OFFSET_SAMPLES = 16
 MIN_SKEW_NS = 1_000_000_000
 # Loop stalls remembered per rank (each at most one per heartbeat; the window prunes them).
 MAX_STALLS = 512
+# An engine whose loop was seen to advance over this many heartbeats in a row with no legs open
+# spins while idle (SGLang's scheduler does); one that advanced only once or twice after its last
+# leg closed may block when idle (an engine that waits on its input queue) and is never judged so.
+IDLE_TURNS_TO_TRUST = 3
 
 
 @dataclass(slots=True, eq=False)
@@ -50,6 +54,12 @@ class Incarnation:
     loop_moves: bool = False  # seen to advance at least once: this engine counts its loop
     # (when, seconds) of each loop stall seen while the instance had open legs.
     stalls: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=MAX_STALLS))
+    # ... and while it had none: an idle loop's pauses, for the idle rule only.
+    idle_stalls: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=MAX_STALLS))
+    # Heartbeats in a row that found the loop advanced while the instance was idle; at
+    # IDLE_TURNS_TO_TRUST this engine's loop is known to turn while idle (turns_idle).
+    idle_turns: int = 0
+    turns_idle: bool = False
     tokens_generated: int = 0
     completed: int = 0
     failed: int = 0

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 from pdwatch import contract as c
 
-from .model import Cluster, GonePeers, Incarnation, Instance, Leg, record_stage
+from .model import IDLE_TURNS_TO_TRUST, Cluster, GonePeers, Incarnation, Instance, Leg, record_stage
 from .spans import REASONS, Batch, Decoded, HeartbeatRecord, Inventory, LegRecord, Rejection, Source, StageRecord
 from .thresholds import StageThresholds
 
@@ -357,17 +357,28 @@ class Tracker:
         """Track how long the loop counter was seen unchanged, and remember busy stalls."""
         if loop is None:
             return
+        idle = self._idle(src)
         if loop != inc.loop_iterations:
             stalled = (inc.loop_seen_ns - inc.loop_since_ns) / 1e9 if inc.loop_since_ns else 0.0
-            if stalled > 0 and self._busy_during(src, inc):
-                window = inc.stalls
+            if stalled > 0:
+                window = inc.stalls if self._busy_during(src, inc) else inc.idle_stalls
                 window.append((now, stalled))
                 while window and window[0][0] < now - LOOP_STALL_WINDOW_NS:
                     window.popleft()
             if inc.loop_iterations is not None:
                 inc.loop_moves = True
+                inc.idle_turns = inc.idle_turns + 1 if idle else 0
+                inc.turns_idle = inc.turns_idle or inc.idle_turns >= IDLE_TURNS_TO_TRUST
             inc.loop_iterations, inc.loop_since_ns = loop, now
+        else:
+            inc.idle_turns = 0
         inc.loop_seen_ns = now
+
+    def _idle(self, src: Source) -> bool:
+        """The instance listed no open legs in its latest inventory."""
+        inst = self.instances.get((src.cluster, src.pd_instance))
+        owner = inst.owner if inst is not None else None
+        return owner is not None and owner.open_total == 0
 
     def _busy_during(self, src: Source, inc: Incarnation) -> bool:
         """The rank's instance had open legs over its latest loop stall."""
@@ -509,6 +520,29 @@ class Tracker:
                 continue
             still = (inc.loop_seen_ns - max(inc.loop_since_ns, owner.busy_since_ns)) / 1e9
             if still > self.loop_rule_s(inc, now):
+                out.append(inc)
+        return out
+
+    def idle_frozen_ranks(self, inst: Instance, now: int) -> list[Incarnation]:
+        """Ranks that heartbeat while their loop stands still with no legs open, past the idle rule.
+
+        pdwatch's addition beside contract section 5b, which judges a loop only while its instance has
+        legs open: a TP rank that hangs in a collective while idle never opens another leg, and its
+        peers' legs wait for it with nothing to tie them to it. A loop known to turn while idle
+        (turns_idle) that stops is frozen after max(2 heartbeats, 3 x its longest pause, busy or idle,
+        in the window). It names the instance (pdwatch_engine_loop_frozen, collective_desync), never a
+        leg: the legs stay on the threshold path."""
+        owner = inst.owner
+        if owner is None or owner.open_total != 0 or owner.busy_since_ns:
+            return []
+        out = []
+        for inc in inst.ranks.values():
+            if not self.rank_up(inc, now) or not inc.turns_idle:
+                continue
+            longest = max((s for at, s in (*inc.stalls, *inc.idle_stalls) if at >= now - LOOP_STALL_WINDOW_NS),
+                          default=0.0)
+            rule = max(c.LOOP_FROZEN_INTERVALS * inc.interval_s, c.LOOP_STALL_FACTOR * longest)
+            if self.loop_frozen_for(inc) > rule:
                 out.append(inc)
         return out
 

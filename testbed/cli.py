@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"scenario {args.scenario!r} does not exist for --engine {args.engine} "
                  f"(choose from {', '.join(sorted(ENGINES[args.engine]))})")
     sglang = args.engine == "sglang"
-    rate = args.rate if args.rate is not None else (2.0 if sglang else 4.0)
+    rate = args.rate if args.rate is not None else (2.0 if sglang else scenarios.get(args.scenario).rate or 4.0)
     restart_at = args.restart_at if args.restart_at is not None else (10.0 if sglang else 8.0)
     common = dict(otlp_endpoint=args.otlp_endpoint, heartbeat_s=args.heartbeat_s, rate=rate, restart_at=restart_at,
                   seed=args.seed, decode_floor_s=args.decode_floor_s, cluster=args.cluster,

@@ -155,12 +155,18 @@ class DecodeEngine:
             return None
         if op == "stats":
             return {"ok": True, "kv_bytes_checked": self.kv_bytes_checked, "agent": self.agent_name,
-                    "free_slots": self.pool.free_count, "leaked_slots": self.leaked_slots}
+                    "free_slots": self.pool.free_count, "leaked_slots": self.leaked_slots,
+                    "held": self.held()}
         if op == "kv_leak":
             # Read by the scheduler thread on its next step; a bool store is atomic.
             self.kv_leak = True
             return {"ok": True, "free_slots": self.pool.free_count}
         return {"ok": False, "error": f"unknown op {op!r}"}
+
+    def held(self) -> int:
+        """Requests the decode holds in any stage (read from the server thread: lengths only)."""
+        return (len(self.inbox) + len(self.prealloc) + len(self.registering) + len(self.transfer)
+                + len(self.waiting) + len(self.running))
 
     # ---- scheduler thread ------------------------------------------------
 

@@ -95,7 +95,7 @@ def _verdict(diagnosis: list, cluster: str) -> dict:
 
 
 def run_scenario(name: str, sidecar, gpus: GpuEmulator | None, *, cluster: str | None = None, seed: int = 1,
-                 rate: float = 4.0, watch_s: float | None = None, poll_s: float = 0.5) -> ScenarioRun:
+                 rate: float | None = None, watch_s: float | None = None, poll_s: float = 0.5) -> ScenarioRun:
     """Start the scenario's stack against `sidecar` (a started SidecarProcess), poll the diagnosis from the
     start until `watch_s` after the fault, stop the stack. The cluster is named after the scenario."""
     scenario = scenarios.get(name)
@@ -106,6 +106,7 @@ def run_scenario(name: str, sidecar, gpus: GpuEmulator | None, *, cluster: str |
     decode_floor = LONG_DECODE_FLOOR_S if name == "long-decode" else 30.0
     watch = watch_s if watch_s is not None else WATCH_S.get(name, DEFAULT_WATCH_S)
     fault_at = FAULT_AT.get(name, FAULT_AT_S)
+    rate = rate if rate is not None else scenario.rate or 4.0
     stack = Stack(name, otlp_endpoint=sidecar.url, heartbeat_s=HEARTBEAT_S, rate=rate, restart_at=fault_at,
                   seed=seed, decode_floor_s=decode_floor, cluster=cluster, duration_s=fault_at + watch + 5.0,
                   gpus=gpus)

@@ -46,6 +46,8 @@ class Scenario:
     # (params) -> {decode instance: TP size}; a size-2 group is two processes with a per-step barrier.
     tp_groups: Callable[[Params], dict[str, int]] = lambda params: {}
     tags: tuple[str, ...] = field(default_factory=tuple)
+    # The request rate the CLI uses for this scenario unless told otherwise (None: the engine's default).
+    rate: float | None = None
 
 
 SCENARIOS: dict[str, Scenario] = {}
@@ -105,6 +107,19 @@ register(Scenario(
     expects_stuck=True,
     family="collective_desync",
 ))
+register(Scenario(
+    "tp-desync-idle",
+    "like tp-desync, at a quiet rate (0.5 req/s by default), and rank 1 stops joining at a moment decode-0 "
+    "holds no request: its leader hangs in an idle collective, so no request reaches it and none of its legs "
+    "opens again; the prefill legs of the requests routed to it wait in bootstrap while decode-1 keeps serving",
+    tp_groups=lambda params: {"decode-0": 2},
+    actions=lambda params: [(params.restart_at, "desync-idle", "decode-0")],
+    expects_stuck=True,
+    family="collective_desync",
+    rate=0.5,
+))
+
+
 def _some_long_shape(params: Params, rng: random.Random, index: int) -> tuple[int, int]:
     prompt, out = default_shape(params, rng, index)
     if index % 10 == 0:

@@ -32,6 +32,8 @@ from .wire import Conn
 log = logging.getLogger("pdwatch.testbed.stack")
 
 _live_stacks: weakref.WeakSet[Stack] = weakref.WeakSet()
+# desync-idle waits at most this long for its instance to hold no request.
+IDLE_WAIT_S = 30.0
 
 
 @atexit.register
@@ -326,6 +328,21 @@ class Stack(StackBase):
             raise ValueError(f"{instance} is not a TP group")
         self.engines[key].signal(signal.SIGUSR1)
         self._event("desync", instance=instance)
+
+    def _action_desync_idle(self, instance: str) -> None:
+        """Like desync, at a moment the group's leader holds no request (bounded wait; else at once)."""
+        conn = Conn.connect(self.engines[instance].info["api_port"])
+        idle, deadline = False, time.monotonic() + IDLE_WAIT_S
+        try:
+            while not self._stop.is_set() and time.monotonic() < deadline:
+                if conn.request({"op": "stats"}).get("held") == 0:
+                    idle = True
+                    break
+                time.sleep(0.005)
+        finally:
+            conn.close()
+        self._action_desync(instance)
+        self._event("desync_idle", instance=instance, idle=idle)
 
     def _action_kv_leak(self, instance: str) -> None:
         """From now on the decode never gives back the KV slot of a request it finishes."""

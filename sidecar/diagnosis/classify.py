@@ -113,7 +113,9 @@ def collective_desync(f: ClusterFacts) -> Finding | None:
         spinning = [g for g in i.gpus if g.utilization is not None and g.utilization >= BUSY_UTILIZATION]
         reading, text = _gpu_reading(spinning) if spinning else _gpu_reading(i.gpus)
         frozen = (f"{i.role} {i.pd_instance}: scheduler loop frozen with {i.open_legs} leg(s) open while "
-                  "heartbeats continue")
+                  "heartbeats continue") if i.open_legs or not i.loop_frozen else \
+                 (f"{i.role} {i.pd_instance}: scheduler loop frozen while idle (it turned while idle before) and "
+                  "heartbeats continue: no new request can reach it")
         held = sum(i.evidence.values())
         if held:
             frozen += f" ({held} leg(s) stuck on it)"

@@ -8,6 +8,7 @@ exports to it as its own cluster. `/api/v1/diagnosis` must name:
     decode-restart -> transfer_wedge (restart_skew among the findings)
     freeze-decode  -> engine_silent
     tp-desync      -> collective_desync
+    tp-desync-idle -> collective_desync (the leader hung while idle: named from its loop alone)
     kv-starvation  -> queue_starvation
     total-wedge    -> total_wedge
     healthy, long-decode, burst -> no family, at every poll of the run
@@ -43,13 +44,14 @@ TOLERATED_BEFORE = {
 # and for total-wedge the flow window on top.
 STUCK_BY_S = max(FLOORS_S["bootstrap"], FLOORS_S["transfer"]) + 3 * HEARTBEAT_S + 4.0
 DETECTED_BY_S = {"total-wedge": FLOW_WINDOW_S + STUCK_BY_S, "freeze-decode": 3 * HEARTBEAT_S + 3.0,
-                 "tp-desync": 3 * HEARTBEAT_S + 3.0}
+                 "tp-desync": 3 * HEARTBEAT_S + 3.0, "tp-desync-idle": 3 * HEARTBEAT_S + 3.0}
 
 EVIDENCE = {
     # The brief's inference: the decode's GPU is idle, so it is not a collective.
     "decode-restart": ("0 % utilization", "160 W of 700 W", "near idle"),
     "freeze-decode": ("decode decode-0: no heartbeat",),
     "tp-desync": ("scheduler loop frozen", "100 % utilization", "spin in a collective"),
+    "tp-desync-idle": ("scheduler loop frozen while idle", "100 % utilization", "spin in a collective"),
     "kv-starvation": ("decode decode-0", "waiting for KV memory"),
     "total-wedge": ("no leg finished ok anywhere", "idle GPUs", "160 W"),
 }
@@ -82,7 +84,8 @@ def test_healthy_shapes_get_no_family(sidecar, name):
         assert max(burst) > max(before) + 1.0, (max(burst), max(before))
 
 
-@pytest.mark.parametrize("name", ["decode-restart", "freeze-decode", "tp-desync", "kv-starvation", "total-wedge"])
+@pytest.mark.parametrize("name", ["decode-restart", "freeze-decode", "tp-desync", "tp-desync-idle", "kv-starvation",
+                                  "total-wedge"])
 def test_fault_gets_its_family(sidecar, name):
     sc, gpus = sidecar
     expected = scenarios.get(name).family
@@ -118,6 +121,11 @@ def test_fault_gets_its_family(sidecar, name):
         # A fault of one decode instance: its legs, or the legs that talk to it.
         assert {a for a in contrast if a[1] == "decode-0" and a[0] in ("pd_instance", "involves")}, \
             final["contrast"]
+    if name == "tp-desync-idle":
+        # It hung holding no request, and no leg of decode-0 opened since: none is stuck on evidence.
+        assert next(e for e in run.events if e["event"] == "desync_idle")["idle"], run.events
+        assert not any(s["pd_instance"] == "decode-0" for s in sidecar[0].get("/api/v1/stuck")
+                       if s.get("cluster") == run.cluster)
     if name == "tp-desync":
         # Where it is blocked: decode-0's leader waits in the per-step collective (testbed/tp.py).
         captures = [cap for cap in final.get("captures", []) if cap["pd_instance"] == "decode-0"]

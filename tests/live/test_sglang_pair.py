@@ -330,6 +330,19 @@ def test_decode_restart_names_the_requests_routed_to_the_dead_decode(decode_rest
     assert "bootstrap_wedge" in families and "restart_skew" in findings, (families, findings)
 
 
+def test_decode_restart_contrast_says_no_decode_ever_joined_the_hung_legs(decode_restart):
+    run, _world = decode_restart
+    last = next(d for p in reversed(run.polls) for d in p["diagnosis"] if d.get("contrast"))
+    contrast = last["contrast"]
+    print("contrast:", [(x["attribute"], x["value"], x.get("role"), x["stuck"], x["flowing"]) for x in contrast])
+    # What the engines can tell apart: the hung prefill legs never got a decode peer (their decode half
+    # went to the dead decode-0, which only the router knows); every leg that flowed had one.
+    top = contrast[0]
+    assert (top["attribute"], top["value"]) == ("peer", "none"), contrast
+    assert top["stuck"] == 1.0 and top["flowing"] <= 0.05, top
+    assert all(x["stuck"] - x["flowing"] >= 0.5 for x in contrast), contrast
+
+
 # ---- freeze-decode: the decode goes silent ---------------------------------------------------
 
 

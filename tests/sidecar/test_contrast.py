@@ -56,6 +56,19 @@ def test_a_fault_of_one_decode_instance_names_it():
     assert items[0].sentence == "18 of 18 stuck legs are on decode-0 or talk to it; 2 of 82 flowing legs do"
 
 
+def test_legs_no_peer_ever_joined_separate_on_having_none():
+    # SGLang 0.5.23 after a lone decode restart: the router sent the decode half of some requests to the
+    # dead decode; their prefill legs wait in bootstrap with no peer, and no engine knows where they went.
+    stuck = [leg(peer=None, owner=None, arrived=1000.0 + i) for i in range(8)]
+    flowing = [leg(peer=f"agent-d{i % 2}", owner=f"decode-{i % 2}", arrived=990.0 + i) for i in range(60)]
+    flowing += [leg(instance=f"decode-{i % 2}", role="decode", peer="127.0.0.1:8998", owner="prefill-0")
+                for i in range(60)]
+    items = contrast(stuck, flowing, {"decode-0": 1004.0})
+    assert best(items) == ("peer", "none"), [(x.attribute, x.value, x.separation) for x in items]
+    assert (items[0].stuck, items[0].flowing) == (1.0, 0.0)
+    assert items[0].sentence == "8 of 8 stuck legs have no KV peer: no other side ever joined them; 0 of 120 flowing legs do"
+
+
 def test_scattered_stuck_legs_with_no_common_cause_name_nothing():
     rng = random.Random(7)
 

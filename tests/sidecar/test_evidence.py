@@ -131,6 +131,54 @@ def test_an_idle_engine_whose_loop_sleeps_is_never_frozen(tracker, engines, cloc
     assert ev.stuck == () and not ev.instances[0].loop_frozen
 
 
+def test_a_loop_known_to_turn_while_idle_that_stops_names_its_instance_not_a_leg(tracker, engines, clock):
+    """tp-desync caught idle: the rank hangs in a collective with no leg open, so none ever opens on it."""
+    p = engines("prefill", "prefill-0")
+    d = engines("decode", "decode-0")
+    p.walk("p-1", 1, ("bootstrap",))  # its decode half went to decode-0, which never takes it
+    for _ in range(4):  # idle, and the scheduler spins (SGLang's loop turns while idle)
+        beat(tracker, clock, p, d)
+    for _ in range(2):
+        beat(tracker, clock, p)
+        beat(tracker, clock, d, seconds=0, loops=False)
+        assert not evaluate(tracker).instances[1].loop_frozen  # 2 intervals: the rule is "longer than"
+    beat(tracker, clock, p)
+    beat(tracker, clock, d, seconds=0, loops=False)
+    ev = evaluate(tracker)
+    frozen = {i.name: i.loop_frozen for i in ev.instances}
+    assert frozen == {"prefill-0": False, "decode-0": True}
+    assert ev.stuck == ()  # the prefill's leg waits on the threshold path: nothing ties it to decode-0
+    fams = {f.name: f for f in EvaluationCollector(lambda: ev).collect()}
+    assert {s.labels["pd_instance"]: s.value for s in fams["pdwatch_engine_loop_frozen"].samples} == \
+        {"prefill-0": 0, "decode-0": 1}
+    (facts,) = gather(ev)
+    findings = classify(facts)
+    assert findings[0].family == "collective_desync", [(f.family, f.confidence) for f in findings]
+    assert any("frozen while idle" in e for e in findings[0].evidence), findings[0].evidence
+    # The loop turns again: no longer frozen.
+    beat(tracker, clock, p, d)
+    assert not evaluate(tracker).instances[1].loop_frozen
+
+
+def test_a_loop_that_turns_after_its_last_leg_then_blocks_while_idle_is_never_frozen(tracker, engines, clock):
+    """An engine that waits on its input queue when idle: a few turns after the last leg, then none."""
+    d = engines("decode", "decode-0")
+    d.walk("d-1", 1, ("bootstrap", "transfer", "queued", "decode"))
+    beat(tracker, clock, d)
+    d.rec.finish("d-1")
+    for _ in range(2):  # winding down: the loop turns twice more with nothing open
+        beat(tracker, clock, d)
+    for _ in range(10):
+        beat(tracker, clock, d, loops=False)
+    # Woken by a request now and then, it turns once and blocks again: never three idle turns in a row.
+    for _ in range(3):
+        beat(tracker, clock, d)
+        for _ in range(4):
+            beat(tracker, clock, d, loops=False)
+    ev = evaluate(tracker)
+    assert not ev.instances[0].loop_frozen and ev.stuck == ()
+
+
 def test_a_stall_shorter_than_the_rule_and_the_rule_learns_long_stalls(tracker, engines, clock):
     p = engines("prefill", "prefill-0")
     p.walk("p-1", 1, ("bootstrap", "queued", "prefill"))
