@@ -464,8 +464,15 @@ def test_long_prompt_wedge_contrast_names_the_prompt_length(long_prompt_wedge):
     long_ones = {r.trace_id for r in run.truth.requests if r.prompt_tokens >= LONG_PROMPT_TOKENS}
     print("first stuck:", sorted({(s["role"], s["stage"], s["pd_instance"]) for s in stuck}),
           "ever:", sorted({(s["role"], s["stage"], s["pd_instance"]) for s in run.stuck_ever()}))
-    # SGLang's own KV sender holds them: the first named are long prompts in transfer; short ones flow.
-    assert {s["trace_id"] for s in stuck} <= long_ones, [s for s in stuck if s["trace_id"] not in long_ones]
+    # SGLang's own KV sender holds them: the first prefill legs named are long prompts in transfer, and
+    # short ones flow. A short prompt's decode leg may be named with them: it waits in transfer while
+    # the prefill works through long prompts on this CPU, past the 5 s floor (seen once in CI's runs).
+    short = [(s["role"], s["stage"], round(s["age_s"], 1), s["threshold_s"], s["reason"]) for s in stuck
+             if s["trace_id"] not in long_ones]
+    print("short prompts among the first stuck:", short)
+    prefill = [s for s in stuck if s["role"] == "prefill"]
+    assert {s["trace_id"] for s in prefill} <= long_ones, [s for s in prefill if s["trace_id"] not in long_ones]
+    assert all(role == "decode" for role, *_ in short) and len(short) < len(stuck), short
     assert {s["stage"] for s in stuck} == {"transfer"}, stuck
     assert ok_after(run, wedged["t"] + 1), "the short prompts stopped completing"
     last = next(d for p in run.polls for d in p["diagnosis"] if d.get("contrast"))
