@@ -93,6 +93,9 @@ class RecorderConfig:
     # drain that saw them, and spans reach the sidecar, late by at most this:
     # well inside the stuck floors (seconds). The buffer holds this long of records.
     drain_interval_s: float = 1.0
+    # The longest the engine's scheduler loop stands still while idle, if the engine knows it (0: it
+    # spins); sent in heartbeats (pdwatch.loop.idle_turn_s). None: unknown, the sidecar learns it.
+    loop_idle_turn_s: float | None = None
     export_timeout_s: float = 2.0
     # Spans allowed to wait for export; more are dropped, counted.
     max_export_queue: int = 8192

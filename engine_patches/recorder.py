@@ -223,6 +223,8 @@ class Recorder:
             "pdwatch.recorder.export_failed_spans": self.export.failed_spans,
             "pdwatch.recorder.legs_evicted": legs.evicted,
         }
+        if cfg.loop_idle_turn_s is not None:
+            attrs[c.H_LOOP_IDLE_TURN] = float(cfg.loop_idle_turn_s)
         for name, value in self._engine_counters.items():
             attrs[f"pd.engine.{name}"] = value
         if cfg.owns_requests:

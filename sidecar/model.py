@@ -22,8 +22,9 @@ MIN_SKEW_NS = 1_000_000_000
 # Loop stalls remembered per rank (each at most one per heartbeat; the window prunes them).
 MAX_STALLS = 512
 # An engine whose loop was seen to advance over this many heartbeats in a row with no legs open
-# spins while idle (SGLang's scheduler does); one that advanced only once or twice after its last
-# leg closed may block when idle (an engine that waits on its input queue) and is never judged so.
+# turns while idle; one that advanced only once or twice after its last leg closed may block when
+# idle (an engine that waits on its input queue) and is never judged so. An engine that says how
+# long its idle loop may stand still (pdwatch.loop.idle_turn_s) is taken at its word at once.
 IDLE_TURNS_TO_TRUST = 3
 
 
@@ -60,6 +61,8 @@ class Incarnation:
     # IDLE_TURNS_TO_TRUST this engine's loop is known to turn while idle (turns_idle).
     idle_turns: int = 0
     turns_idle: bool = False
+    # The engine's own word: its loop stands still at most this long while idle (None: not said).
+    idle_turn_s: float | None = None
     tokens_generated: int = 0
     completed: int = 0
     failed: int = 0

@@ -129,6 +129,7 @@ class HeartbeatRecord:
     seq: int
     interval_s: float | None
     loop_iterations: int | None
+    loop_idle_turn_s: float | None  # pdwatch.loop.idle_turn_s: the engine's own word on its idle loop
     counters: dict[str, int]  # completed, failed, tokens_generated
     open_counts: dict[str, int]
     extra: dict[str, float]  # pdwatch.* and pd.engine.* numbers
@@ -397,6 +398,7 @@ def _heartbeat(span: Span, role: str) -> HeartbeatRecord:
     inventory = _inventory(attrs, role) if c.H_OPEN_TOTAL in attrs else None
     interval = attrs.get(c.H_INTERVAL)
     loop = attrs.get(c.H_LOOP)
+    idle_turn = attrs.get(c.H_LOOP_IDLE_TURN)
     counts: dict[str, int] = {}
     for stage in c.STAGES[role]:
         value = attrs.get(c.H_OPEN_COUNT_PREFIX + stage)
@@ -408,6 +410,7 @@ def _heartbeat(span: Span, role: str) -> HeartbeatRecord:
         start_ns=span.start_time_unix_nano, end_ns=span.end_time_unix_nano, seq=seq,
         interval_s=float(interval) if finite(interval) and 0 < interval <= 3600 else None,
         loop_iterations=loop if is_int(loop) else None,
+        loop_idle_turn_s=float(idle_turn) if finite(idle_turn) and 0 <= idle_turn <= 3600 else None,
         counters={key: attrs[name] for name, key in _COUNTERS if is_int(attrs.get(name))},
         open_counts=counts,
         extra=dict(list(extra.items())[:64]),

@@ -339,6 +339,8 @@ class Tracker:
         if hb.interval_s is not None:
             inc.interval_s = hb.interval_s
         self._loop(src, inc, hb.loop_iterations, now)
+        if hb.loop_idle_turn_s is not None:
+            inc.idle_turn_s = hb.loop_idle_turn_s
         for name, value in hb.counters.items():
             setattr(inc, name, value)
         if hb.extra:
@@ -530,17 +532,21 @@ class Tracker:
         legs open: a TP rank that hangs in a collective while idle never opens another leg, and its
         peers' legs wait for it with nothing to tie them to it. A loop known to turn while idle
         (turns_idle) that stops is frozen after max(2 heartbeats, 3 x its longest pause, busy or idle,
-        in the window). It names the instance (pdwatch_engine_loop_frozen, collective_desync), never a
-        leg: the legs stay on the threshold path."""
+        in the window). An engine that says how long its idle loop may stand still (idle_turn_s) is
+        judged without first watching it turn while idle, against 3 x that as well. It names the
+        instance (pdwatch_engine_loop_frozen, collective_desync), never a leg: the legs stay on the
+        threshold path."""
         owner = inst.owner
         if owner is None or owner.open_total != 0 or owner.busy_since_ns:
             return []
         out = []
         for inc in inst.ranks.values():
-            if not self.rank_up(inc, now) or not inc.turns_idle:
+            # A counter never seen to move yet says nothing: the loop may not have started.
+            if not self.rank_up(inc, now) or not inc.loop_moves or not (inc.turns_idle or inc.idle_turn_s is not None):
                 continue
             longest = max((s for at, s in (*inc.stalls, *inc.idle_stalls) if at >= now - LOOP_STALL_WINDOW_NS),
                           default=0.0)
+            longest = max(longest, inc.idle_turn_s or 0.0)
             rule = max(c.LOOP_FROZEN_INTERVALS * inc.interval_s, c.LOOP_STALL_FACTOR * longest)
             if self.loop_frozen_for(inc) > rule:
                 out.append(inc)

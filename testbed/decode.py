@@ -29,7 +29,7 @@ from pdwatch.engine_patches import recorder as pdrec
 
 from . import kv
 from .engine_status import StatusWriter
-from .tp import TpLeader
+from .tp import IDLE_TURN_S, TpLeader
 from .wire import Conn, LineServer, WireError, room_of
 
 log = logging.getLogger("pdwatch.testbed.decode")
@@ -113,6 +113,7 @@ class DecodeEngine:
         self.endpoint = f"127.0.0.1:{self.api.port}"
         self.prefill_address = f"127.0.0.1:{args.prefill_bootstrap_port}"
         self.rec = pdrec.from_env("decode", service_name=args.service_name, engine_version="testbed",
+                                  loop_idle_turn_s=IDLE_TURN_S,
                                   tp_size=args.tp_size, gpu_uuids=tuple(args.gpu_uuid or ()),
                                   peer_ids=(self.agent_name, self.endpoint))
         self.status = StatusWriter(args.status_file)

@@ -31,6 +31,7 @@ from pdwatch.engine_patches import recorder as pdrec
 
 from . import kv
 from .engine_status import StatusWriter
+from .tp import IDLE_TURN_S
 from .wire import LineServer, WireError, room_of
 
 log = logging.getLogger("pdwatch.testbed.prefill")
@@ -211,6 +212,7 @@ class PrefillEngine:
         # Decodes know this process by its bootstrap address; nobody else by its agent, but it is its KV name.
         peers = (self.agent_name, f"127.0.0.1:{self.bootstrap_server.port}")
         self.rec = pdrec.from_env("prefill", service_name=args.service_name, engine_version="testbed",
+                                  loop_idle_turn_s=IDLE_TURN_S,
                                   gpu_uuids=tuple(args.gpu_uuid or ()), peer_ids=peers)
         self.status = StatusWriter(args.status_file)
         self.agent = kv.make_agent(self.agent_name)

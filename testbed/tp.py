@@ -30,6 +30,9 @@ log = logging.getLogger("pdwatch.testbed.tp")
 
 STEP_BUSY, STEP_IDLE, ACK = b"B", b"I", b"A"
 POLL_S = 0.05  # how often a waiting rank looks at its stop flag
+# The testbed's engine loops turn every few milliseconds while idle (a TP group meets every 20 ms):
+# at most this long, with room to spare, which every emulated engine tells its recorder.
+IDLE_TURN_S = 0.1
 
 
 class TpLeader:
@@ -100,6 +103,7 @@ class TpFollower:
     def __init__(self, args):
         self.args = args
         self.rec = pdrec.from_env("decode", service_name=args.service_name, engine_version="testbed",
+                                  loop_idle_turn_s=IDLE_TURN_S,
                                   tp_rank=args.tp_rank, tp_size=args.tp_size, owns_requests=False,
                                   gpu_uuids=tuple(args.gpu_uuid or ()))
         self.status = StatusWriter(args.status_file)

@@ -71,6 +71,7 @@ class PluginState:
             gpu_uuids=tuple(gpu_uuids(_gpu_id())),
             peer_ids=peer_ids(scheduler, role),
             server_address=_server_address(),
+            loop_idle_turn_s=idle_turn_s(scheduler),
         )
         rec = (recorder_factory or from_env)(role, **overrides)
         rec.hook_errors += self.early_errors
@@ -190,6 +191,15 @@ def peer_ids(scheduler: Any, role: str) -> tuple[str, ...]:
     except Exception:
         log.debug("pdwatch: peer ids unreadable", exc_info=True)
     return tuple(out)
+
+
+# SGLang's IdleSleeper (--sleep-on-idle) polls its sockets for at most 1 s per idle loop turn.
+IDLE_SLEEPER_POLL_S = 1.0
+
+
+def idle_turn_s(scheduler: Any) -> float:
+    """The longest the scheduler loop stands still while idle: it spins, or the idle sleeper's poll."""
+    return IDLE_SLEEPER_POLL_S if getattr(scheduler, "idle_sleeper", None) is not None else 0.0
 
 
 def _server_address() -> str | None:

@@ -50,8 +50,9 @@ class Target(NamedTuple):
 TARGETS: tuple[Target, ...] = (
     # -- process and loop ----------------------------------------------------
     Target(f"{SCHED}.init_disaggregation", "after", "on_scheduler_ready",
-           "creates the process recorder (role, TP rank/size, GPU UUIDs, peer ids: KV agent, bootstrap address)",
-           ("self",), ("Scheduler.disaggregation_mode", "Scheduler.disagg_decode_prealloc_queue",
+           "creates the process recorder (role, TP rank/size, GPU UUIDs, peer ids: KV agent, bootstrap address, "
+           "how long the idle loop may stand still)",
+           ("self",), ("Scheduler.disaggregation_mode", "Scheduler.idle_sleeper", "Scheduler.disagg_decode_prealloc_queue",
                        "Scheduler.disagg_prefill_bootstrap_queue", "DecodePreallocQueue.kv_manager",
                        "PrefillBootstrapQueue.kv_manager", "NixlKVManager.agent", "CommonKVManager.bootstrap_host",
                        "CommonKVManager.bootstrap_port")),

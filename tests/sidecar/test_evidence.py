@@ -179,6 +179,36 @@ def test_a_loop_that_turns_after_its_last_leg_then_blocks_while_idle_is_never_fr
     assert not ev.instances[0].loop_frozen and ev.stuck == ()
 
 
+def test_an_engine_that_says_how_its_idle_loop_turns_is_judged_without_the_wait(tracker, engines, clock):
+    """pdwatch.loop.idle_turn_s: a busy decode that hangs idle at once, and one whose idle loop sleeps 1 s."""
+    d = engines("decode", "decode-0", loop_idle_turn_s=0.0)  # it spins while idle (SGLang without a sleeper)
+    s = engines("decode", "decode-1", loop_idle_turn_s=1.0)  # it polls its sockets up to 1 s per idle turn
+    for e in (d, s):
+        e.walk(f"{e.rec.config.instance}-1", hash(e.rec.config.instance) % 1000, ("bootstrap", "transfer"))
+    beat(tracker, clock, d, s)
+    beat(tracker, clock, d, s)
+    for e in (d, s):
+        e.rec.finish(f"{e.rec.config.instance}-1")
+    beat(tracker, clock, d, s)  # idle from here on: no heartbeat has yet seen the loop turn while idle
+    for _ in range(2):
+        beat(tracker, clock, d, s, loops=False)
+    assert not any(i.loop_frozen for i in evaluate(tracker).instances)  # 2 intervals, both rules say wait
+    beat(tracker, clock, d, s, loops=False)
+    frozen = {i.name: i.loop_frozen for i in evaluate(tracker).instances}
+    assert frozen == {"decode-0": True, "decode-1": False}  # decode-1's rule: 3 x its 1 s idle turn
+    beat(tracker, clock, d, s, loops=False)
+    assert {i.name: i.loop_frozen for i in evaluate(tracker).instances} == {"decode-0": True, "decode-1": True}
+    assert evaluate(tracker).stuck == ()
+
+
+def test_a_loop_that_never_turned_is_not_judged_idle_even_when_the_engine_speaks(tracker, engines, clock):
+    """A recorder that starts before its scheduler loop: nothing to judge until the loop first turns."""
+    d = engines("decode", "decode-0", loop_idle_turn_s=0.0)
+    for _ in range(6):
+        beat(tracker, clock, d, loops=False)
+    assert not evaluate(tracker).instances[0].loop_frozen
+
+
 def test_a_stall_shorter_than_the_rule_and_the_rule_learns_long_stalls(tracker, engines, clock):
     p = engines("prefill", "prefill-0")
     p.walk("p-1", 1, ("bootstrap", "queued", "prefill"))
