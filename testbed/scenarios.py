@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -107,15 +107,13 @@ register(Scenario(
     expects_stuck=True,
     family="collective_desync",
 ))
-register(Scenario(
-    "tp-desync-idle",
-    "like tp-desync, at a quiet rate (0.5 req/s by default), and rank 1 stops joining at a moment decode-0 "
-    "holds no request: its leader hangs in an idle collective, so no request reaches it and none of its legs "
-    "opens again; the prefill legs of the requests routed to it wait in bootstrap while decode-1 keeps serving",
-    tp_groups=lambda params: {"decode-0": 2},
+register(replace(
+    get("tp-desync"),
+    name="tp-desync-idle",
+    description="like tp-desync, at a quiet rate (0.5 req/s by default), and rank 1 stops joining at a moment "
+    "decode-0 holds no request: its leader hangs in an idle collective, so no request reaches it and none of its "
+    "legs opens again; the prefill legs of the requests routed to it wait in bootstrap while decode-1 keeps serving",
     actions=lambda params: [(params.restart_at, "desync-idle", "decode-0")],
-    expects_stuck=True,
-    family="collective_desync",
     rate=0.5,
 ))
 
