@@ -67,6 +67,7 @@ class Rank:
     loop_iterations: int | None
     loop_still_s: float  # seconds its loop was seen not to advance
     loop_rule_s: float
+    idle_turn_s: float | None  # pdwatch.loop.idle_turn_s, as the engine said it
     completed: int
     failed: int
     tokens_generated: int

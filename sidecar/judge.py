@@ -146,7 +146,7 @@ class Judge:
             heartbeat_seq=inc.seq,
             heartbeat_age_s=(now - inc.last_heartbeat_ns) / 1e9 if inc.last_heartbeat_ns else None,
             up=t.rank_up(inc, now), loop_iterations=inc.loop_iterations, loop_still_s=t.loop_frozen_for(inc),
-            loop_rule_s=t.loop_rule_s(inc, now), completed=inc.completed, failed=inc.failed,
+            loop_rule_s=t.loop_rule_s(inc, now), idle_turn_s=inc.idle_turn_s, completed=inc.completed, failed=inc.failed,
             tokens_generated=inc.tokens_generated, open_total=inc.open_total,
             offset_s=round(inc.offset_ns() / 1e9, 3), gpu_uuids=inc.gpu_uuids, peer_ids=inc.peer_ids,
             engine=dict(inc.extra),

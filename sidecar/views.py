@@ -115,7 +115,7 @@ def instance(inst: InstanceView) -> dict[str, Any]:
              "start_unix_s": _s(r.start_ns), "heartbeat_seq": r.heartbeat_seq,
              "heartbeat_age_s": None if r.heartbeat_age_s is None else round(r.heartbeat_age_s, 3), "up": r.up,
              "loop_iterations": r.loop_iterations, "loop_still_s": round(r.loop_still_s, 3),
-             "loop_rule_s": round(r.loop_rule_s, 3), "completed": r.completed, "failed": r.failed,
+             "loop_rule_s": round(r.loop_rule_s, 3), "idle_turn_s": r.idle_turn_s, "completed": r.completed, "failed": r.failed,
              "tokens_generated": r.tokens_generated, "open_total": r.open_total, "clock_offset_s": r.offset_s,
              "gpu_uuids": list(r.gpu_uuids), "peer_ids": list(r.peer_ids), "engine": r.engine}
             for r in inst.ranks
