@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -29,9 +30,50 @@ class EngineStartError(RuntimeError):
     pass
 
 
+class PortInUse(EngineStartError):
+    """The engine could not bind one of its ports; a retry on fresh ports may succeed."""
+
+
+# What uvicorn, ZMQ and torch's store print when a port is taken; such a server does not
+# exit (uvicorn waits on its lifespan), so the wait must notice the line itself.
+_PORT_TAKEN = ("address already in use",)
+
+
+# Listening ports come from below the kernel's ephemeral range: every outgoing connection
+# (UCX over TCP, HTTP clients, the router) takes its source port from that range, so a
+# port picked there can be taken between the pick and the engine's bind. Below it only
+# other listeners compete, and the bind test sees those.
+_LOW_PORT = 20000
+_handed_out: set[int] = set()
+_port_lock = threading.Lock()
+_port_rng = random.Random()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A loopback port free right now (the engine binds it with SO_REUSEADDR)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A loopback port free right now, outside the ephemeral range, not handed out before."""
+    high = max(_ephemeral_low(), _LOW_PORT + 1000)
+    with _port_lock:
+        if len(_handed_out) > (high - _LOW_PORT) // 2:
+            _handed_out.clear()  # a long run cycles; the bind test still guards each pick
+        for _ in range(200):
+            port = _port_rng.randrange(_LOW_PORT, high)
+            if port in _handed_out:
+                continue
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _handed_out.add(port)
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # a crowded range: let the kernel pick
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
@@ -46,6 +88,7 @@ class EngineProcess:
         self.info: dict = {}
         self.log: deque[str] = deque(maxlen=LOG_LINES)
         self._ready = threading.Event()
+        self._port_taken = threading.Event()
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "pdwatch.testbed.engine", "--role", self.role, "--instance", self.instance, *self.args]
@@ -68,6 +111,7 @@ class EngineProcess:
         env.update(self.env)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (*self.python_path(), env.get("PYTHONPATH", "")) if p)
         self._ready.clear()
+        self._port_taken.clear()
         self.info = {}
         self.proc = subprocess.Popen(
             self.command(),
@@ -94,6 +138,8 @@ class EngineProcess:
                 self._ready.set()
                 if line.startswith("{"):
                     continue  # the engine's own ready message, not a log line
+            if proc is self.proc and any(m in line.lower() for m in _PORT_TAKEN):
+                self._port_taken.set()
             self.log.append(line)
 
     @property
@@ -113,6 +159,8 @@ class EngineProcess:
                 time.sleep(0.1)  # let the reader threads catch the last lines
                 raise EngineStartError(f"{self.instance} exited with status {rc} before it was ready:\n"
                                        + self.tail())
+            if self._port_taken.is_set():
+                raise PortInUse(f"{self.instance} could not bind a port:\n" + self.tail())
             if time.monotonic() > deadline:
                 raise EngineStartError(f"{self.instance} not ready after {timeout_s:.0f} s:\n" + self.tail())
         return self.info

@@ -22,9 +22,10 @@ import shutil
 import tempfile
 import time
 import weakref
+from dataclasses import astuple
 from pathlib import Path
 
-from ..processes import EngineStartError, free_port
+from ..processes import EngineStartError, PortInUse, free_port
 from ..router import LoadGenerator
 from ..scenarios import Params
 from ..stack import StackBase
@@ -34,6 +35,7 @@ from .model import write_model
 from .servers import BASE_ENV, ServerPorts, SglangRouter, SglangServer
 
 _live: weakref.WeakSet[SglangStack] = weakref.WeakSet()
+PORT_RETRIES = 2  # a server that finds a port taken is started this many more times
 
 
 @atexit.register
@@ -141,11 +143,8 @@ class SglangStack(StackBase):
             self._dir = Path(tempfile.mkdtemp(prefix="pdwatch-sglang-"))
             self.state_dir.mkdir()
             write_model(self._dir / "model")
-            prefill = self._server("prefill-0", "prefill", ServerPorts(free_port(), free_port(), free_port()))
-            self._start_servers([prefill])
-            decodes = [self._server(name, "decode", ServerPorts(free_port(), free_port()))
-                       for name in self.decode_names]
-            self._start_servers(decodes)
+            [prefill] = self._start_servers("prefill", ["prefill-0"])
+            decodes = self._start_servers("decode", list(self.decode_names))
             router = SglangRouter(free_port(), free_port(), prefill, decodes, {**BASE_ENV})
             self.sglang_router = self.engines["router"] = router
             router.spawn()
@@ -164,14 +163,31 @@ class SglangStack(StackBase):
         self._start_actions()
         return self
 
-    def _start_servers(self, servers: list[SglangServer]) -> None:
+    def _start_servers(self, role: str, names: list[str]) -> list[SglangServer]:
+        """Start servers together; one that finds a port taken starts again on fresh ports."""
+        def fresh(name: str) -> SglangServer:
+            ports = ServerPorts(free_port(), free_port(), free_port() if role == "prefill" else 0)
+            return self._server(name, role, ports)
+
+        servers = [fresh(name) for name in names]
         for server in servers:
             server.spawn()
-        for server in servers:
-            server.wait_ready(self.ready_timeout_s, cancel=self._stop)
+        for i, server in enumerate(servers):
+            for attempt in range(PORT_RETRIES + 1):
+                try:
+                    server.wait_ready(self.ready_timeout_s, cancel=self._stop)
+                    break
+                except PortInUse:
+                    if attempt == PORT_RETRIES:
+                        raise
+                    server.kill()
+                    self._event("port_taken", instance=server.instance, ports=list(astuple(server.ports)))
+                    server = servers[i] = fresh(server.instance)
+                    server.spawn()
             if server.registration_failed():
                 raise EngineStartError(f"{server.instance} came up without its bootstrap registration:\n"
                                        + server.tail())
+        return servers
 
     def _wait_router(self, router: SglangRouter) -> None:
         """Ready when one request goes through the router to both legs and back."""

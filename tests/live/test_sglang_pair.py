@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import time
+from unittest import mock
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -87,7 +89,20 @@ def healthy(live_world):
                     extra["long_seen_open"] = leg
         return False
 
-    run = run_live(live_world, "healthy", seconds=30.0, rate=2.0, until=side_requests)
+    # The prefill's first HTTP port is one some other listener holds: the stack must notice at
+    # once (SGLang's server does not exit then) and start it again on fresh ports.
+    from pdwatch.testbed import processes
+    from pdwatch.testbed.sglang_pd import stack as stack_module
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as squatter:
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        squatter.bind(("127.0.0.1", processes.free_port()))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        picks = iter([taken])
+        with mock.patch.object(stack_module, "free_port", lambda: next(picks, None) or processes.free_port()):
+            run = run_live(live_world, "healthy", seconds=30.0, rate=2.0, until=side_requests)
+    extra["taken_port"] = taken
     return run, extra, live_world
 
 
@@ -101,6 +116,14 @@ def test_both_roles_finish_ok_nothing_stuck_every_instance_up(healthy):
     assert set(insts) == {"prefill-0", "decode-0", "decode-1"} and all(i["up"] for i in insts.values())
     finished = run.summary["clusters"][run.cluster]["finished"]
     assert finished["prefill"].get("ok", 0) >= 20 and finished["decode"].get("ok", 0) >= 20, finished
+
+
+def test_a_server_whose_port_is_taken_starts_again_on_fresh_ports(healthy):
+    run, extra, _world = healthy
+    retries = [e for e in run.events if e["event"] == "port_taken"]
+    assert [(e["instance"], e["ports"][0]) for e in retries] == [("prefill-0", extra["taken_port"])], retries
+    ready = next(e for e in run.events if e["event"] == "ready")
+    assert ready["startup_s"] < 240, ready  # noticed from the log line, not by the ready timeout
 
 
 def test_no_hook_error_on_any_rank(healthy):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import socket
 import threading
 import time
 
@@ -181,3 +182,14 @@ def test_a_bad_room_is_refused(room):
     with pytest.raises(WireError, match="room"):
         room_of({"room": room})
     assert room_of({"room": (1 << 63) - 1}) == (1 << 63) - 1
+
+
+def test_free_ports_lie_below_the_ephemeral_range_and_are_handed_out_once():
+    from pdwatch.testbed.processes import _ephemeral_low
+
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == 50
+    assert all(1024 < p < _ephemeral_low() for p in ports), ports
+    for p in ports[:5]:  # each was bindable when picked
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", p))
