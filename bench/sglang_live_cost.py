@@ -40,6 +40,7 @@ from pdwatch.testbed.processes import free_port
 from pdwatch.testbed.sglang_pd.stack import SglangStack
 from pdwatch.testbed.sidecar_process import SidecarProcess
 
+HEARTBEAT_WAIT_S = 2.5  # the plugin's heartbeat interval (1 s) and then some
 
 def one_request(port: int, ids: list[int], max_tokens: int) -> float:
     body = json.dumps({"input_ids": ids, "sampling_params": {"max_new_tokens": max_tokens, "ignore_eos": True}})
@@ -80,7 +81,16 @@ def cpu_s(stack: SglangStack) -> float:
     return total
 
 
-def one_round(args, endpoint: str, plugin_first: bool, rng: random.Random, label: str) -> dict:
+def loop_turns(sidecar: SidecarProcess | None, cluster: str) -> dict[str, int]:
+    """Each plugin instance's scheduler loop turns so far (pd.loop.iterations), from the sidecar."""
+    if sidecar is None:
+        return {}
+    return {i["role"]: i["ranks"][0]["loop_iterations"] or 0 for i in sidecar.get("/api/v1/summary")["instances"]
+            if i["cluster"] == cluster and i["ranks"]}
+
+
+def one_round(args, endpoint: str, plugin_first: bool, rng: random.Random, label: str,
+              sidecar: SidecarProcess | None) -> dict:
     """Stacks in slots 1 and 2 (started in that order), the plugin in one of them; paired latencies."""
     stacks = {}
     try:
@@ -92,9 +102,12 @@ def one_round(args, endpoint: str, plugin_first: bool, rng: random.Random, label
         ports = {name: s.sglang_router.port for name, s in stacks.items()}
         lat: dict[str, list[float]] = {"with": [], "without": []}
         cpu: dict[str, float] = {}
+        turns: dict[str, int] = {}
         for i in range(args.warmup + args.requests):
             if i == args.warmup:
                 cpu = {name: cpu_s(s) for name, s in stacks.items()}
+                time.sleep(HEARTBEAT_WAIT_S)  # the warm-up's last heartbeat
+                turns = loop_turns(sidecar, stacks["with"].cluster)
             ids = [rng.randrange(3, 1000) for _ in range(args.prompt_tokens)]
             order = ("with", "without") if i % 2 == 0 else ("without", "with")
             for name in order:
@@ -102,6 +115,9 @@ def one_round(args, endpoint: str, plugin_first: bool, rng: random.Random, label
                 if i >= args.warmup:
                     lat[name].append(t)
         cpu = {name: (cpu_s(s) - cpu[name]) / args.requests for name, s in stacks.items()}
+        time.sleep(HEARTBEAT_WAIT_S)
+        turns = {role: (n - turns.get(role, 0)) / args.requests
+                 for role, n in loop_turns(sidecar, stacks["with"].cluster).items()}
     finally:
         for s in stacks.values():
             s.stop()
@@ -109,7 +125,7 @@ def one_round(args, endpoint: str, plugin_first: bool, rng: random.Random, label
     # prompt: their difference leaves out what the machine was doing at that moment.
     pairs = [a - b for a, b in zip(lat["with"], lat["without"])]
     return {"with": lat["with"], "without": lat["without"], "pairs": pairs, "cpu": cpu,
-            "base": statistics.median(lat["without"]), "diff": statistics.median(pairs)}
+            "base": statistics.median(lat["without"]), "diff": statistics.median(pairs), "turns": turns}
 
 
 def main() -> int:
@@ -126,7 +142,8 @@ def main() -> int:
     rng, brng = random.Random(7), random.Random(11)
     with SidecarProcess(env={"PDWATCH_NVML": "off", "PDWATCH_LOG_LEVEL": "warning"}) as sidecar:
         endpoint = sidecar.url if args.sink == "sidecar" else f"http://127.0.0.1:{free_port()}"  # nobody listens
-        rounds = [one_round(args, endpoint, first, rng, label) for label, first in (("r1", True), ("r2", False))]
+        rounds = [one_round(args, endpoint, first, rng, label,
+                             sidecar if args.sink == "sidecar" else None) for label, first in (("r1", True), ("r2", False))]
         summary = sidecar.get("/api/v1/summary") if args.sink == "sidecar" else None
     print(f"requests per stack and round: {args.requests} (prompt {args.prompt_tokens}, {args.max_tokens} new "
           f"tokens), alternating, one at a time; the plugin exports to "
@@ -140,6 +157,11 @@ def main() -> int:
               f"{r['diff'] / r['base'] * 100:+.2f} % (95 %: {lo / r['base'] * 100:+.2f} .. {hi / r['base'] * 100:+.2f} %)")
         print(f"  CPU per request, all of the stack's processes: with {r['cpu']['with'] * 1e3:.2f} ms, without "
               f"{r['cpu']['without'] * 1e3:.2f} ms ({(r['cpu']['with'] - r['cpu']['without']) * 1e3:+.2f} ms)")
+        if r["turns"]:
+            # Three per-turn hooks on each scheduler (loop tick, queue pop, batch pick); the
+            # hook cost per call is bench/sglang_hook_cost.py's.
+            print("  scheduler loop turns per request: " + ", ".join(
+                f"{role} {n:.1f}" for role, n in sorted(r["turns"].items())))
     share = statistics.mean(r["diff"] / r["base"] for r in rounds)
     # The interval of the mean of the two rounds' medians, from the rounds' own bootstraps.
     boots = [sorted(statistics.median([brng.choice(r["pairs"]) for _ in r["pairs"]]) / r["base"]
