@@ -42,6 +42,7 @@ from pdwatch.testbed.sidecar_process import SidecarProcess
 
 HEARTBEAT_WAIT_S = 2.5  # the plugin's heartbeat interval (1 s) and then some
 
+
 def one_request(port: int, ids: list[int], max_tokens: int) -> float:
     body = json.dumps({"input_ids": ids, "sampling_params": {"max_new_tokens": max_tokens, "ignore_eos": True}})
     t = time.perf_counter()

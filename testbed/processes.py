@@ -7,6 +7,7 @@ stopping it). Its stderr is kept in a bounded ring for error messages.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -49,6 +50,7 @@ _port_lock = threading.Lock()
 _port_rng = random.Random()
 
 
+@functools.cache
 def _ephemeral_low() -> int:
     try:
         return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
