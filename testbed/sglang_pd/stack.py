@@ -36,6 +36,13 @@ from .servers import BASE_ENV, ServerPorts, SglangRouter, SglangServer
 
 _live: weakref.WeakSet[SglangStack] = weakref.WeakSet()
 PORT_RETRIES = 2  # a server that finds a port taken is started this many more times
+# Request slots. A prefill leg whose KV write hangs keeps its slot in SGLang's inflight queue, and a
+# decode takes in transfer as many requests as its slots (3 x max_running with SGLang's default extra
+# slots) and its KV pool allow: 14-16 here. A prefill with no more slots than that can lose every one
+# to a single wedged decode; then nothing flows, a total wedge rather than the seed's incident (seen
+# once in CI). So the prefill has well more slots than one decode can pin.
+DECODE_MAX_RUNNING = 16
+PREFILL_MAX_RUNNING = 64
 
 
 @atexit.register
@@ -130,7 +137,7 @@ class SglangStack(StackBase):
     def _server(self, instance: str, role: str, ports: ServerPorts) -> SglangServer:
         server = SglangServer(instance, role, self._dir / "model", ports, self._env(instance),
                               context_length=self.context_length, max_total_tokens=4 * self.context_length,
-                              max_running=16)
+                              max_running=PREFILL_MAX_RUNNING if role == "prefill" else DECODE_MAX_RUNNING)
         self.servers[instance] = self.engines[instance] = server
         return server
 
