@@ -40,7 +40,7 @@ PORT_RETRIES = 2  # a server that finds a port taken is started this many more t
 # decode takes in transfer as many requests as its slots (3 x max_running with SGLang's default extra
 # slots) and its KV pool allow: 14-16 here. A prefill with no more slots than that can lose every one
 # to a single wedged decode; then nothing flows, a total wedge rather than the seed's incident (seen
-# once in CI). So the prefill has well more slots than one decode can pin.
+# once in a fresh-clone test run). So the prefill has well more slots than one decode can pin.
 DECODE_MAX_RUNNING = 16
 PREFILL_MAX_RUNNING = 64
 
