@@ -237,8 +237,8 @@ def report_round(k: int, r: dict, brng: random.Random) -> None:
     print(f"  CPU per request, all of the stack's processes: with {r['cpu']['with'] * 1e3:.2f} ms, without "
           f"{r['cpu']['without'] * 1e3:.2f} ms ({(r['cpu']['with'] - r['cpu']['without']) * 1e3:+.2f} ms)")
     if r["turns"]:
-        # Three per-turn hooks on each scheduler (loop tick, queue pop, batch pick); the
-        # hook cost per call is bench/sglang_hook_cost.py's.
+        # Wrapped calls every turn: decode 2 (loop tick, transfer-queue extend), prefill 3
+        # (loop tick, bootstrap pop, batch pick); the cost per call is sglang_hook_cost.py's.
         print("  scheduler loop turns per request: " + ", ".join(
             f"{role} {n:.1f}" for role, n in sorted(r["turns"].items())), flush=True)
 

@@ -249,8 +249,8 @@ def on_prefill_bootstrap_add(result: Any, self: Any, req: Any, *args: Any, **kwa
         _counted_error()
 
 
-def _all_queued(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER a queue pop that hands its requests to the waiting queue: each enters `queued`."""
+def on_prefill_bootstrapped(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
+    """Prefill: the requests the bootstrap queue popped go to the waiting queue."""
     lc = state.lc
     if lc is None or not result:
         return
@@ -260,9 +260,6 @@ def _all_queued(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
     except Exception:
         _counted_error()
 
-
-# Prefill: bootstrapped requests go to the waiting queue.
-on_prefill_bootstrapped = _all_queued
 
 
 def on_prefill_batch_result(original: Callable[..., T], self: Any, *args: Any, **kwargs: Any) -> T:
@@ -357,8 +354,15 @@ def on_decode_transfer_add(result: Any, self: Any, decode_req: Any, *args: Any, 
     on_decode_transfer_extend(result, self, (decode_req,))
 
 
-# Decode: requests whose KV arrived go to the waiting queue.
-on_decode_transferred = _all_queued
+def on_decode_transferred(result: Any, self: Any, decode_req: Any, *args: Any, **kwargs: Any) -> None:
+    """Decode: the request's KV arrived and is committed to it; it goes to the waiting queue."""
+    lc = state.lc
+    if lc is None:
+        return
+    try:
+        lc.enter(decode_req.req.rid, "queued")
+    except Exception:
+        _counted_error()
 
 
 def on_decode_transfer_failure(self: Any, decode_req: Any, *args: Any, **kwargs: Any) -> None:
@@ -371,12 +375,13 @@ def on_decode_transfer_failure(self: Any, decode_req: Any, *args: Any, **kwargs:
         _counted_error()
 
 
-def on_decode_batch(batch: Any, self: Any, *args: Any, **kwargs: Any) -> None:
+def on_decode_batch(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
+    """Decode: the prebuilt batch's requests start decoding (self: the ScheduleBatch)."""
     lc = state.lc
-    if lc is None or batch is None:
+    if lc is None:
         return
     try:
-        for req in batch.reqs:
+        for req in self.reqs:
             lc.enter(req.rid, "decode")
     except Exception:
         _counted_error()

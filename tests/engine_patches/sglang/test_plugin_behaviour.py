@@ -491,7 +491,7 @@ def test_decode_retraction_and_rebootstrap_keep_the_leg(sglang_plugin):
     req = make_req("d-r", room=31)
     pre.add(req)
     pre.queue.clear()
-    hooks.on_decode_batch(SimpleNamespace(reqs=[req]), None)
+    hooks.on_decode_batch(None, SimpleNamespace(reqs=[req]))
     pre.add(req, is_retracted=True)  # real: parks it in the retracted queue
     assert pre.retracted_queue == [req]
     assert r.heartbeat()["pd.open.stages"] == ["queued"]
