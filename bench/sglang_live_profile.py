@@ -72,12 +72,13 @@ def classify(stack: str) -> str:
     return "engine"
 
 
-def read_raw(path: Path) -> tuple[Counter[str], Counter[str]]:
+def read_raw(path: Path) -> tuple[Counter[str], Counter[str], Counter[str]]:
     """Samples by class from py-spy's raw (collapsed-stack) output, and pdwatch's and the wrappers'
     samples by where they were: pdwatch's innermost frame, or the frame that called a wrapper (which
     says which hooked method it wraps)."""
     counts: Counter[str] = Counter()
     where: Counter[str] = Counter()
+    on_thread: Counter[str] = Counter()  # pdwatch's samples: the scheduler thread's hooks, or its recorder
     for line in path.read_text().splitlines():
         stack, _, n = line.rpartition(" ")
         if stack and n.isdigit():
@@ -87,8 +88,10 @@ def read_raw(path: Path) -> tuple[Counter[str], Counter[str]]:
             if kind == "wrapper":
                 where[f"wrapper called from {frames[-2] if len(frames) > 1 else '?'}"] += int(n)
             elif kind == "pdwatch":
-                where[f"pdwatch in {frames[-1]}"] += int(n)
-    return counts, where
+                thread = "recorder" if frames[0].endswith("pdwatch-recorder") else "hooks"
+                where[f"pdwatch ({thread}) in {frames[-1]}"] += int(n)
+                on_thread[thread] += int(n)
+    return counts, where, on_thread
 
 
 def schedulers(stack: SglangStack) -> dict[str, int]:
@@ -180,7 +183,8 @@ def main() -> int:
         print(f"{name}: {n} samples ({gil_ms:.2f} ms of GIL per request); pdwatch {c['pdwatch']} = "
               f"{share * 100:.2f} % (95 %: {lo * 100:.2f} .. {hi * 100:.2f} %); HookRegistry wrappers "
               f"{c['wrapper']} = {c['wrapper'] / n * 100:.2f} % ({wlo * 100:.2f} .. {whi * 100:.2f} %); "
-              f"pdwatch's GIL time per request {share * gil_ms * 1e3:.0f} us = {of_request * 100:.2f} % of the median")
+              f"pdwatch's GIL time per request {share * gil_ms * 1e3:.0f} us = {of_request * 100:.2f} % of the median"
+              f" (hooks {read[name][2]['hooks']} samples, recorder thread {read[name][2]['recorder']})")
         for kind in ("pdwatch", "wrapper"):
             for place, k in [pk for pk in read[name][1].most_common() if pk[0].startswith(kind)][:5]:
                 print(f"  {k:4d} {place}")
