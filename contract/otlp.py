@@ -31,10 +31,39 @@ def set_value(value: AnyValue, v: Any) -> None:
     elif isinstance(v, Sequence):
         array: ArrayValue = value.array_value
         array.SetInParent()  # an empty list is a list, not a missing value
-        for item in v:
-            set_value(array.values.add(), item)
+        if not _set_items_of_one_type(array, v):
+            for item in v:
+                set_value(array.values.add(), item)
     else:  # not an OTel attribute type: kept readable rather than lost
         value.string_value = str(v)
+
+
+def _set_items_of_one_type(array: ArrayValue, items: Sequence[Any]) -> bool:
+    """Write a list whose items all share one scalar type with one setter each; False if they do not.
+
+    A heartbeat lists up to PDWATCH_INVENTORY_MAX open legs in twelve lists, tens of
+    thousands of items a beat on the engine's GIL; the per-item dispatch above was
+    over half their cost (about 2.5x slower, bench/export_cost.py).
+    """
+    if not items:
+        return False
+    kind = type(items[0])
+    if kind not in (str, int, float, bool) or not all(type(item) is kind for item in items):
+        return False
+    add = array.values.add
+    if kind is str:
+        for item in items:
+            add().string_value = item
+    elif kind is int:
+        for item in items:
+            add().int_value = item
+    elif kind is float:
+        for item in items:
+            add().double_value = item
+    else:
+        for item in items:
+            add().bool_value = item
+    return True
 
 
 def add_attributes(message: HasAttributes, attrs: Mapping[str, Any]) -> None:
