@@ -19,6 +19,9 @@ of it is as a share of the median request latency, and where pdwatch's and
 the wrappers' samples fell (a wrapper by the line that called it, which
 names the hooked method). Requests are
 sequential, so each scheduler's time is on the request's critical path.
+py-spy takes the GIL's last holder for its holder: the recorder thread
+waiting on its post's reply while the scheduler also waits still counts, so
+the recorder's share is an upper bound.
 
 Needs py-spy (requirements-capture.txt) and the right to ptrace the servers
 (same user; root, or kernel.yama.ptrace_scope 0).
