@@ -21,7 +21,9 @@ names the hooked method). Requests are
 sequential, so each scheduler's time is on the request's critical path.
 py-spy takes the GIL's last holder for its holder: the recorder thread
 waiting on its post's reply while the scheduler also waits still counts, so
-the recorder's share is an upper bound.
+the recorder's share is an upper bound. Sampling without stopping the
+process also reads a torn stack now and then: a wrapper's calling line is a
+hint (one still named pop_transferred's line after it was no longer hooked).
 
 Needs py-spy (requirements-capture.txt) and the right to ptrace the servers
 (same user; root, or kernel.yama.ptrace_scope 0).
@@ -65,11 +67,12 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, mid - half), min(1.0, mid + half)
 
 
-def classify(stack: str) -> str:
-    """'pdwatch', 'wrapper' or 'engine' for one py-spy raw stack (thread;outer;...;inner)."""
-    frames = stack.split(";")
-    if frames[0].endswith("pdwatch-recorder") or PDWATCH_CODE in frames[-1]:
-        return "pdwatch"
+def classify(frames: list[str]) -> str:
+    """'recorder', 'hooks', 'wrapper' or 'engine' for one py-spy raw stack (thread, outer, ..., inner)."""
+    if frames[0].endswith("pdwatch-recorder"):
+        return "recorder"
+    if PDWATCH_CODE in frames[-1]:
+        return "hooks"
     if WRAPPER_CODE in frames[-1]:
         return "wrapper"
     return "engine"
@@ -85,15 +88,15 @@ def read_raw(path: Path) -> tuple[Counter[str], Counter[str], Counter[str]]:
     for line in path.read_text().splitlines():
         stack, _, n = line.rpartition(" ")
         if stack and n.isdigit():
-            kind = classify(stack)
-            counts[kind] += int(n)
             frames = stack.split(";")
+            kind = classify(frames)
             if kind == "wrapper":
                 where[f"wrapper called from {frames[-2] if len(frames) > 1 else '?'}"] += int(n)
-            elif kind == "pdwatch":
-                thread = "recorder" if frames[0].endswith("pdwatch-recorder") else "hooks"
-                where[f"pdwatch ({thread}) in {frames[-1]}"] += int(n)
-                on_thread[thread] += int(n)
+            elif kind != "engine":
+                where[f"pdwatch ({kind}) in {frames[-1]}"] += int(n)
+                on_thread[kind] += int(n)
+                kind = "pdwatch"
+            counts[kind] += int(n)
     return counts, where, on_thread
 
 
@@ -165,7 +168,6 @@ def main() -> int:
                 print(f"py-spy failed: {failed}", file=sys.stderr)
                 return 1
             read = {name: read_raw(Path(f"{tmp}/{name}.txt")) for name in pids}
-            counts = {name: r[0] for name, r in read.items()}
         finally:
             stack.stop()
     if not window:
@@ -175,7 +177,7 @@ def main() -> int:
     print(f"{len(window)} requests while sampling ({args.prompt_tokens}-token prompts, {args.max_tokens} new tokens, "
           f"one at a time), median {median * 1e3:.2f} ms; py-spy {args.rate} Hz for {args.seconds:.0f} s, GIL holder only")
     total_share = 0.0
-    for name, c in counts.items():
+    for name, (c, where, on_thread) in read.items():
         n = sum(c.values())
         gil_ms = n / args.rate / len(window) * 1e3  # sampled GIL time per request
         lo, hi = wilson(c["pdwatch"], n)
@@ -187,9 +189,9 @@ def main() -> int:
               f"{share * 100:.2f} % (95 %: {lo * 100:.2f} .. {hi * 100:.2f} %); HookRegistry wrappers "
               f"{c['wrapper']} = {c['wrapper'] / n * 100:.2f} % ({wlo * 100:.2f} .. {whi * 100:.2f} %); "
               f"pdwatch's GIL time per request {share * gil_ms * 1e3:.0f} us = {of_request * 100:.2f} % of the median"
-              f" (hooks {read[name][2]['hooks']} samples, recorder thread {read[name][2]['recorder']})")
+              f" (hooks {on_thread['hooks']} samples, recorder thread {on_thread['recorder']})")
         for kind in ("pdwatch", "wrapper"):
-            for place, k in [pk for pk in read[name][1].most_common() if pk[0].startswith(kind)][:5]:
+            for place, k in [pk for pk in where.most_common() if pk[0].startswith(kind)][:5]:
                 print(f"  {k:4d} {place}")
     print(f"both schedulers: pdwatch holds the GIL for {total_share * 100:.2f} % of the median request latency "
           f"(the wrappers, pdwatch's and the testbed's, at most as much again as their shares above)")

@@ -42,8 +42,8 @@ def _set_items_of_one_type(array: ArrayValue, items: Sequence[Any]) -> bool:
     """Write a list whose items all share one scalar type with one setter each; False if they do not.
 
     A heartbeat lists up to PDWATCH_INVENTORY_MAX open legs in twelve lists, tens of
-    thousands of items a beat on the engine's GIL; the per-item dispatch above was
-    over half their cost (about 2.5x slower, bench/export_cost.py).
+    thousands of items a beat on the engine's GIL; through the per-item dispatch above
+    a full heartbeat cost 1.67x as much (bench/heartbeat_cost.py).
     """
     if not items:
         return False

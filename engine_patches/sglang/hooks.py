@@ -261,7 +261,6 @@ def on_prefill_bootstrapped(result: Any, self: Any, *args: Any, **kwargs: Any) -
         _counted_error()
 
 
-
 def on_prefill_batch_result(original: Callable[..., T], self: Any, *args: Any, **kwargs: Any) -> T:
     lc = state.lc
     before = -1
