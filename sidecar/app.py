@@ -183,14 +183,15 @@ def create_app(settings: Settings | None = None, *, clock: Callable[[], int] = t
 
     @app.get(c.PATH_HEALTH, summary="Liveness")
     async def healthz() -> dict[str, Any]:
+        # Only the evaluation, never the sampler directly: /healthz and /metrics then tell
+        # one story about the GPUs (the sampler runs ahead of the judge by up to a tick).
         ev = sc.latest()
-        gpu = sc.gpu.snapshot()
         return {
             "status": "ok",
             "tracked_legs": ev.counters.tracked_legs,
             "instances": ev.counters.tracked_instances,
             "evaluated_unix_s": round(ev.at_ns / 1e9, 3),
-            "gpu_telemetry": {"up": gpu.up, "reason": gpu.reason, "devices": len(gpu.devices), "driver": gpu.driver},
+            "gpu_telemetry": {"up": ev.gpu_up, "reason": ev.gpu_reason, "devices": len(ev.gpus), "driver": ev.gpu_driver},
         }
 
     app.include_router(ui.router)  # the live page: static files and one read-only route, behind the token

@@ -142,6 +142,7 @@ class Evaluation:
     histogram: Histogram
     gpu_up: bool
     gpu_reason: str | None
+    gpu_driver: str | None
     gpu_sampled_at: float | None
     gpus: tuple[GpuView, ...]
     diagnosis: tuple[dict[str, Any], ...]  # per cluster, contract section 7's shape
@@ -155,5 +156,5 @@ class Evaluation:
 EMPTY = Evaluation(
     at_ns=0, seq=0, stuck=(), groups={}, thresholds={}, flowing={}, flow_window_s=0.0, instances=(),
     counters=Counters(0, 0, {}, 0, 0, 0, 0, {}, 0, {}, {}, {}, 0, 0), histogram=Histogram((), {}),
-    gpu_up=False, gpu_reason="not sampled yet", gpu_sampled_at=None, gpus=(), diagnosis=(),
+    gpu_up=False, gpu_reason="not sampled yet", gpu_driver=None, gpu_sampled_at=None, gpus=(), diagnosis=(),
 )

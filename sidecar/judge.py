@@ -81,13 +81,13 @@ class Judge:
         flowing = {name: cl.last_ok_ns > 0 and now - cl.last_ok_ns <= t.flow_window_ns
                    for name, cl in t.clusters.items()}
         instances = tuple(self._instance(inst, now, frozen_any) for inst in t.instances.values())
-        gpus, gpu_up, reason, sampled_at = self._gpus(instances)
+        gpus, gpu_up, reason, driver, sampled_at = self._gpus(instances)
         self._seq += 1
         ev = Evaluation(
             at_ns=now, seq=self._seq, stuck=stuck, groups=groups, thresholds=thresholds, flowing=flowing,
             flow_window_s=t.flow_window_ns / 1e9, instances=instances, counters=self._counters(),
             histogram=self.durations.snapshot() if self.durations is not None else EMPTY.histogram,
-            gpu_up=gpu_up, gpu_reason=reason, gpu_sampled_at=sampled_at, gpus=gpus, diagnosis=(),
+            gpu_up=gpu_up, gpu_reason=reason, gpu_driver=driver, gpu_sampled_at=sampled_at, gpus=gpus, diagnosis=(),
         )
         contrasts = self._contrasts(stuck_legs, now)
         self._ask_for_stacks(stuck, frozen_any)
@@ -317,18 +317,19 @@ class Judge:
 
     # ---- GPUs and counters -------------------------------------------------------------------
 
-    def _gpus(self, instances: tuple[InstanceView, ...]) -> tuple[tuple[GpuView, ...], bool, str | None, float | None]:
+    def _gpus(self, instances: tuple[InstanceView, ...]
+              ) -> tuple[tuple[GpuView, ...], bool, str | None, str | None, float | None]:
         if self.gpu is None:
-            return (), False, "no GPU sampler", None
+            return (), False, "no GPU sampler", None, None
         snap = self.gpu.snapshot()
         if not snap.up:
-            return (), False, snap.reason, snap.sampled_at
+            return (), False, snap.reason, snap.driver, snap.sampled_at
         # What each engine process says it drives, freshest heartbeat first (the first claim wins).
         ranks = sorted(((i, r) for i in instances for r in i.ranks), key=lambda p: p[1].heartbeat_age_s or 0.0)
         claims = [InstanceClaim(Owner(i.cluster, i.role, i.name), r.gpu_uuids, (r.pid,) if r.pid else ())
                   for i, r in ranks]
         joined = tuple(GpuView(dev, owner, how) for dev, owner, how in self.owners.join(snap.devices, claims))
-        return joined, True, None, snap.sampled_at
+        return joined, True, None, snap.driver, snap.sampled_at
 
     def _counters(self) -> Counters:
         t = self.tracker

@@ -1,6 +1,7 @@
 """End to end: `pdwatch serve` in its own process finds the NVML stub through
 LD_LIBRARY_PATH (as in the demo), and joins emulated GPUs to engines whose
-real recorders send heartbeats: by UUID, by PID, by configuration."""
+real recorders send heartbeats: by UUID, by PID, by configuration; and, in this
+process, that /healthz and /metrics read the same evaluation of the GPUs."""
 
 from __future__ import annotations
 
@@ -110,7 +111,27 @@ def test_sidecar_samples_and_joins_emulated_gpus(gpus, sidecar):
 def test_sidecar_reports_why_gpu_telemetry_is_down(gpus, sidecar):
     # NVML loaded and initialized, then the driver stops answering.
     gpus.set_system(count_error="DRIVER_NOT_LOADED")
-    health = wait_for_up(lambda: (h := httpx.get(f"{sidecar}/healthz", timeout=2).json()) and not h["gpu_telemetry"]["up"] and h)
-    assert health["gpu_telemetry"]["reason"] == "NVML device count failed: Driver Not Loaded"
+    reason = "NVML device count failed: Driver Not Loaded"
+    health = wait_for_up(lambda: (h := httpx.get(f"{sidecar}/healthz", timeout=2).json())["gpu_telemetry"]["reason"] == reason and h)
+    assert health["gpu_telemetry"]["up"] is False and health["gpu_telemetry"]["devices"] == 0
+    # /healthz and /metrics read the same evaluation, so a scrape after /healthz says
+    # down can never show the GPUs of an earlier one.
     series = gpu_series(sidecar)
     assert series == {"pdwatch_gpu_telemetry_up": {"": ({}, 0.0)}}
+
+
+def test_healthz_and_metrics_tell_one_story_while_the_sampler_runs_ahead(gpus, stub_library, live_sidecar):
+    # The judge ticks once an hour here, so the sampler sees the driver go while the latest
+    # evaluation still holds three GPUs: both readers must keep showing that evaluation.
+    sc = live_sidecar(nvml_library=stub_library, gpu_interval_s=0.05, evaluate_interval_s=3600)
+    wait_for(lambda: sc.sidecar.gpu.snapshot().up, 10)
+    sc.judge_now()
+    gpus.set_system(count_error="DRIVER_NOT_LOADED")
+    wait_for(lambda: not sc.sidecar.gpu.snapshot().up, 10)
+    health = httpx.get(f"{sc.url}/healthz", timeout=2).json()["gpu_telemetry"]
+    assert health == {"up": True, "reason": None, "devices": 3, "driver": DRIVER}
+    assert gpu_series(sc.url)["pdwatch_gpu_telemetry_up"][""][1] == 1.0
+    sc.judge_now()
+    health = httpx.get(f"{sc.url}/healthz", timeout=2).json()["gpu_telemetry"]
+    assert health["up"] is False and health["reason"] == "NVML device count failed: Driver Not Loaded"
+    assert gpu_series(sc.url) == {"pdwatch_gpu_telemetry_up": {"": ({}, 0.0)}}
