@@ -5,7 +5,7 @@ times real SGLang methods through the patched attribute (SGLang's HookRegistry
 wrapper + the pdwatch hook + the recorder's append) and through the original
 the wrapper holds (`__wrapped__`), alternating, on the same objects:
 
-  DecodeTransferQueue.add          one transition (decode: enter transfer + transfer detail)
+  DecodePreallocQueue._send_kv_metadata  one transition (decode: enter transfer + transfer detail)
   Scheduler.get_new_batch_prefill  one transition (queued -> prefill), a one-request batch
   PrefillBootstrapQueue.pop_bootstrapped, empty queue: the per-loop cost with no transition
   Scheduler.ingest_requests hook   the loop counter, through HookRegistry's BEFORE wrapper
@@ -74,9 +74,9 @@ def main() -> None:
     logging.getLogger("sglang").setLevel(logging.WARNING)
     load_sglang_with_plugin()
 
-    from sglang.srt.disaggregation.decode import DecodeRequest, DecodeTransferQueue
+    from sglang.srt.disaggregation.decode import DecodePreallocQueue, DecodeRequest
     from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
-    from sglang.srt.disaggregation.utils import DisaggregationMode, TransferBackend
+    from sglang.srt.disaggregation.utils import DisaggregationMode, ReqToMetadataIdxAllocator, TransferBackend
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
@@ -102,15 +102,23 @@ def main() -> None:
 
     results = []
 
-    # 1. DecodeTransferQueue.add: one transition.
-    xq = object.__new__(DecodeTransferQueue)
-    xq.queue = []
-    dreq = DecodeRequest(req=req("d-0"), kv_receiver=None)
-    patched = DecodeTransferQueue.add
+    # 1. DecodePreallocQueue._send_kv_metadata: one transition. The KV page list and the
+    # receiver are stand-ins (the real ones need a KV pool and a prefill to talk to).
+    pq = object.__new__(DecodePreallocQueue)
+    pq.transfer_queue = SimpleNamespace(enable_staging=False)
+    pq._num_published_destinations = 0
+    pq._transfer_page_indices = lambda decode_req, kv_indices, page_size: kv_indices
+    dreq = DecodeRequest(req=req("d-0"), kv_receiver=SimpleNamespace(send_metadata=lambda *a, **k: None))
+
+    def fresh_allocator():
+        pq.req_to_metadata_buffer_idx_allocator = ReqToMetadataIdxAllocator(args.n)
+
+    patched = DecodePreallocQueue._send_kv_metadata
     orig = patched.__wrapped__
-    reset = xq.queue.clear
-    results.append(("DecodeTransferQueue.add", per_call_ns(lambda: orig(xq, dreq), args.n, args.repeat, reset),
-                    per_call_ns(lambda: patched(xq, dreq), args.n, args.repeat, reset), True))
+    pages = list(range(4))
+    results.append(("DecodePreallocQueue._send_kv_metadata",
+                    per_call_ns(lambda: orig(pq, dreq, pages, 1), args.n, args.repeat, fresh_allocator),
+                    per_call_ns(lambda: patched(pq, dreq, pages, 1), args.n, args.repeat, fresh_allocator), True))
 
     # 2. Scheduler.get_new_batch_prefill: one transition for a one-request batch.
     state.role = "prefill"

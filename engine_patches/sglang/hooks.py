@@ -335,22 +335,17 @@ def on_decode_prealloc_add(result: Any, self: Any, req: Any, is_retracted: bool 
         _counted_error()
 
 
-def on_decode_transfer_extend(result: Any, self: Any, decode_reqs: Iterable[Any], *args: Any, **kwargs: Any) -> None:
+def on_decode_metadata_sent(result: Any, self: Any, decode_req: Any, *args: Any, **kwargs: Any) -> None:
+    """Decode: KV memory is preallocated and its address sent to the prefill; the KV may now come."""
     lc = state.lc
     if lc is None:
         return
     try:
-        backend = state.backend
-        for dreq in decode_reqs:
-            req = dreq.req
-            lc.enter(req.rid, "transfer")
-            lc.transfer_info(req.rid, backend=backend)
+        rid = decode_req.req.rid
+        lc.enter(rid, "transfer")
+        lc.transfer_info(rid, backend=state.backend)
     except Exception:
         _counted_error()
-
-
-def on_decode_transfer_add(result: Any, self: Any, decode_req: Any, *args: Any, **kwargs: Any) -> None:
-    on_decode_transfer_extend(result, self, (decode_req,))
 
 
 def on_decode_transferred(result: Any, self: Any, decode_req: Any, *args: Any, **kwargs: Any) -> None:

@@ -101,12 +101,12 @@ TARGETS: tuple[Target, ...] = (
            "decode: arrival, enters bootstrap (handshake + prealloc); retracted: queued; rebootstrap: bootstrap again",
            ("self", "req", "is_retracted", "is_rebootstrap"),
            ("DecodePreallocQueue.queue", "DecodeRequest.req", *_REQ_ARRIVAL)),
-    Target(f"{DECODE}.DecodeTransferQueue.extend", "after", "on_decode_transfer_extend",
-           "decode: bootstrap -> transfer (KV memory preallocated)", ("self", "decode_reqs"),
-           ("DecodeRequest.req", "Req.rid")),
-    Target(f"{DECODE}.DecodeTransferQueue.add", "after", "on_decode_transfer_add",
-           "decode: bootstrap -> transfer (single request)", ("self", "decode_req"), ("DecodeRequest.req",)),
-    # Per request, not per loop turn: pop_transferred and get_new_prebuilt_batch run on every
+    # Per request, not per loop turn (nor DecodeTransferQueue.extend, which runs on every turn,
+    # mostly empty): both the device and the host preallocation paths send the address here.
+    Target(f"{DECODE}.DecodePreallocQueue._send_kv_metadata", "after", "on_decode_metadata_sent",
+           "decode: bootstrap -> transfer (KV memory preallocated, its address sent to the prefill)",
+           ("self", "decode_req"), ("DecodeRequest.req", "Req.rid")),
+    # Also per request: pop_transferred and get_new_prebuilt_batch run on every
     # decode loop turn (about 80 a request here), and a wrapped call costs ~1 us there live.
     Target(f"{DECODE}.DecodeTransferQueue._commit_transfer_to_req", "after", "on_decode_transferred",
            "decode: transfer -> queued (the KV arrived, committed to the request)", ("self", "decode_req"),

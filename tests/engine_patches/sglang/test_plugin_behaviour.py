@@ -34,6 +34,7 @@ from array import array
 from types import SimpleNamespace
 
 import pytest
+import torch
 from opentelemetry.trace import StatusCode
 
 from pdwatch.engine_patches.recorder import Recorder, RecorderConfig
@@ -228,7 +229,7 @@ def test_prefill_bootstrap_timeout_through_the_real_failure_handler(sglang_plugi
 
 def decode_queues(streamed):
     from sglang.srt.disaggregation.decode import DecodePreallocQueue, DecodeTransferQueue
-    from sglang.srt.disaggregation.utils import TransferBackend
+    from sglang.srt.disaggregation.utils import ReqToMetadataIdxAllocator, TransferBackend
 
     streamer = SimpleNamespace(stream_output=lambda reqs, *a, **k: (streamed.extend(reqs), stream(reqs)))
     pre = object.__new__(DecodePreallocQueue)
@@ -242,6 +243,9 @@ def decode_queues(streamed):
     xfer = object.__new__(DecodeTransferQueue)
     xfer.queue = []
     xfer.enable_host_receive = False
+    xfer.enable_staging = False
+    pre.transfer_queue = xfer
+    pre.req_to_metadata_buffer_idx_allocator = ReqToMetadataIdxAllocator(4)
     xfer.scheduler = SimpleNamespace(disagg_decode_prealloc_queue=pre, output_streamer=streamer)
     return pre, xfer
 
@@ -252,6 +256,8 @@ def test_decode_transfer_failure_through_the_real_abort_path(sglang_plugin):
     req = make_req("d-2", room=ROOM + 5)
     pre.add(req)
     dreq = pre.queue.pop()
+    # The real method, wrapped by the plugin: the KV address goes to the (FAKE) prefill, the leg enters transfer.
+    pre._send_kv_metadata(dreq, torch.arange(8), 1)
     xfer.extend([dreq])
     mgr = _common_mgr()
     dreq.kv_receiver.kv_mgr = mgr
