@@ -86,13 +86,16 @@ def healthy(live_world):
                                        for i in range(3)]
             extra["long"] = run.stack.router.send(48, 1500)
             extra["long_seen_open"] = None
+            extra["load_ends"] = time.monotonic() + 35.0  # the load, and 5 s for its last answers
         elif extra["long_seen_open"] is None and extra["long"] is not None:
             r = live_world.sidecar.client.get(f"/api/v1/requests/{extra['long'].trace_id}")
             for leg in r.json().get("legs", []) if r.status_code == 200 else ():
                 if leg["role"] == "decode" and leg["state"] == "open" and leg.get("stage") == "decode" \
                         and leg["tokens"] > 0:
                     extra["long_seen_open"] = leg
-        return False
+        # Then as long as the long generation takes (1500 tokens: slower than the load on a slow day).
+        long = extra["long"]
+        return time.monotonic() >= extra["load_ends"] and (long is None or long.done_at is not None)
 
     # The prefill's first HTTP port is one some other listener holds: the stack must notice at
     # once (SGLang's server does not exit then) and start it again on fresh ports.
@@ -106,7 +109,7 @@ def healthy(live_world):
         taken = squatter.getsockname()[1]
         picks = iter([taken])
         with mock.patch.object(stack_module, "free_port", lambda: next(picks, None) or processes.free_port()):
-            run = run_live(live_world, "healthy", seconds=30.0, rate=2.0, until=side_requests)
+            run = run_live(live_world, "healthy", seconds=30.0, rate=2.0, until=side_requests, grace_s=90.0)
     extra["taken_port"] = taken
     return run, extra, live_world
 
@@ -296,7 +299,9 @@ def decode_restart(live_world):
         restart = run.event("restart")
         return restart is not None and time.time() > restart["t"] + restart["ready_after_s"] + 40
 
-    run = run_live(live_world, "decode-restart", seconds=120.0, rate=2.0, restart_at=8.0, until=until)
+    # Load for as long as it takes the decode to come back and 40 s more (`until`): a restart takes
+    # about a minute here, and several on a slow day, so the load's own end is only a bound.
+    run = run_live(live_world, "decode-restart", seconds=400.0, rate=2.0, restart_at=8.0, until=until)
     return run, live_world
 
 
