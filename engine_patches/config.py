@@ -96,6 +96,9 @@ class RecorderConfig:
     # The longest the engine's scheduler loop stands still while idle, if the engine knows it (0: it
     # spins); sent in heartbeats (pdwatch.loop.idle_turn_s). None: unknown, the sidecar learns it.
     loop_idle_turn_s: float | None = None
+    # The engine's KV transfer backend (nixl, mooncake, ...), a property of the process: written on
+    # every transfer stage span that did not record one, so hooks need not record it per request.
+    transfer_backend: str | None = None
     export_timeout_s: float = 2.0
     # Spans allowed to wait for export; more are dropped, counted.
     max_export_queue: int = 8192

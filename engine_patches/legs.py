@@ -89,8 +89,9 @@ def trace_id_for(traceparent: str | None, room: int | None) -> tuple[int, int | 
 class LegTable:
     """Open legs of one engine process plus its monotonic progress counters."""
 
-    def __init__(self, role: str, max_open: int):
+    def __init__(self, role: str, max_open: int, transfer_backend: str | None = None):
         self.role = role
+        self._backend = {c.A_XFER_BACKEND: transfer_backend} if transfer_backend else {}
         self.stages = c.STAGES[role]
         self.max_open = max_open
         self.open: dict[str, Leg] = {}
@@ -189,7 +190,7 @@ class LegTable:
     def _close_stage(self, leg: Leg, ts: int, error: str | None) -> list[Piece]:
         if leg.stage is None:
             return []
-        attrs = leg.xfer_attrs if leg.stage == "transfer" else {}
+        attrs = {**self._backend, **leg.xfer_attrs} if leg.stage == "transfer" else {}
         return [StageDone(leg, leg.stage, leg.stage_since_ns, ts, attrs, error)]
 
     def inventory(self, limit: int) -> dict[str, AttributeValue]:

@@ -60,7 +60,7 @@ class Recorder:
         self.hook_errors = 0
         self.loop_iterations = 0
         self._engine_counters: dict[str, int] = {}
-        self.legs = LegTable(cfg.role, cfg.max_open_legs)
+        self.legs = LegTable(cfg.role, cfg.max_open_legs, cfg.transfer_backend)
         if transport is None:
             transport = HttpTransport(f"{cfg.endpoint}/v1/traces", timeout_s=cfg.export_timeout_s,
                                       headers=cfg.headers, cafile=cfg.certificate,

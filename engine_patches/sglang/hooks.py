@@ -272,11 +272,9 @@ def on_prefill_batch_result(original: Callable[..., T], self: Any, *args: Any, *
     result = original(self, *args, **kwargs)
     if before >= 0 and lc is not None:
         try:
-            backend = state.backend
+            # The backend is the recorder's (transfer_backend); bytes and the peer come per chunk.
             for req in self.disagg_prefill_inflight_queue[before:]:
-                rid = req.rid
-                lc.enter(rid, "transfer")
-                lc.transfer_info(rid, backend=backend)  # the peer: the decode agent NIXL named
+                lc.enter(req.rid, "transfer")
         except Exception:
             _counted_error()
     return result
@@ -341,9 +339,7 @@ def on_decode_metadata_sent(result: Any, self: Any, decode_req: Any, *args: Any,
     if lc is None:
         return
     try:
-        rid = decode_req.req.rid
-        lc.enter(rid, "transfer")
-        lc.transfer_info(rid, backend=state.backend)
+        lc.enter(decode_req.req.rid, "transfer")  # the backend is the recorder's (transfer_backend)
     except Exception:
         _counted_error()
 

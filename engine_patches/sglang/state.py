@@ -43,7 +43,6 @@ class PluginState:
         self.rec: Recorder | None = None  # every rank: loop ticks, tokens, engine counters
         self.lc: Recorder | None = None  # the bookkeeping rank only: lifecycle calls
         self.role: str | None = None
-        self.backend: str | None = None
         self.early_errors = 0  # hook errors before the recorder exists
         self.traceparents: dict[str, str] = {}
         self.room_rids: dict[int, str] = {}
@@ -63,7 +62,9 @@ class PluginState:
         mode = getattr(scheduler.disaggregation_mode, "value", scheduler.disaggregation_mode)
         role = _ROLE[str(mode)]
         tp_rank, tp_size, owns = _parallel_ranks(scheduler)
+        backend = getattr(scheduler, "transfer_backend", None)
         overrides = dict(
+            transfer_backend=None if backend is None else str(getattr(backend, "value", backend)),
             tp_rank=tp_rank,
             tp_size=tp_size,
             owns_requests=owns,
@@ -76,8 +77,6 @@ class PluginState:
         rec = (recorder_factory or from_env)(role, **overrides)
         rec.hook_errors += self.early_errors
         self.role = role
-        backend = getattr(scheduler, "transfer_backend", None)
-        self.backend = None if backend is None else str(getattr(backend, "value", backend))
         self.rec = rec
         self.lc = rec if rec.config.owns_requests else None
         log.info("pdwatch: recording %s leg telemetry (tp rank %d/%d, lifecycle spans: %s)",

@@ -107,6 +107,24 @@ def test_stage_spans_are_children_with_recorded_times_and_attributes():
     assert xfer["pd.transfer.bytes"] == 4096 and xfer["pd.transfer.backend"] == "nixl"
 
 
+def test_the_process_transfer_backend_names_every_transfer_unless_one_says_otherwise():
+    # The engine's backend is set once; a transfer that recorded its own detail keeps it.
+    rec, exp, clock = make("decode", transfer_backend="nixl")
+    for rid, room in (("d-1", 1), ("d-2", 2)):
+        rec.arrive(rid, bootstrap_room=room)
+        rec.enter(rid, "bootstrap")
+        rec.enter(rid, "transfer")
+    rec.transfer_info("d-2", backend="mooncake", nbytes=512)
+    clock.advance(1.0)
+    for rid in ("d-1", "d-2"):
+        rec.enter(rid, "queued")
+    rec.flush()
+    got = {s.attributes["pd.rid"]: dict(s.attributes) for s in spans_by_name(exp)["pd.transfer"]}
+    assert got["d-1"]["pd.transfer.backend"] == "nixl" and "pd.transfer.bytes" not in got["d-1"]
+    assert got["d-2"]["pd.transfer.backend"] == "mooncake" and got["d-2"]["pd.transfer.bytes"] == 512
+    assert not any("pd.transfer.backend" in s.attributes for s in spans_by_name(exp)["pd.bootstrap"])
+
+
 def test_failure_marks_stage_and_leg_as_errors_with_the_reason():
     rec, exp, clock = make("decode")
     rec.arrive("d-1", bootstrap_room=1)

@@ -484,7 +484,7 @@ def test_recorder_from_the_environment_carries_sglang_identity(sglang_plugin, mo
         cfg = state.rec.config
         assert (cfg.role, cfg.instance, cfg.engine_version) == ("decode", "decode-3", sglang.__version__)
         assert cfg.gpu_uuids == ("GPU-11111111-2222-3333-4444-555555555555",)
-        assert state.lc is state.rec and state.backend == "nixl"
+        assert state.lc is state.rec and cfg.transfer_backend == "nixl"
         hooks.on_scheduler_ready(None, sched)  # once per process
         assert state.rec.config is cfg
     finally:
