@@ -68,6 +68,9 @@ class Recorder:
         self.export = ExportQueue(otlp.resource(cfg, self.instance_id, self.start_ns), transport,
                                   max_queue=cfg.max_export_queue)
         self.worker_errors = 0
+        # The worker thread's own CPU seconds, as of its last wake-up: what pdwatch's span
+        # building and export cost the engine process, apart from the hooks on its threads.
+        self.worker_cpu_s = 0.0
         self.heartbeat_seq = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -156,6 +159,7 @@ class Recorder:
             except Exception:
                 self.worker_errors += 1
                 log.debug("pdwatch recorder worker error", exc_info=True)
+            self.worker_cpu_s = time.thread_time()
             self._stop.wait(interval)
 
     def drain(self) -> int:
@@ -219,6 +223,7 @@ class Recorder:
             "pdwatch.recorder.dropped": self.dropped,
             "pdwatch.recorder.hook_errors": self.hook_errors,
             "pdwatch.recorder.worker_errors": self.worker_errors,
+            "pdwatch.recorder.worker_cpu_s": self.worker_cpu_s,
             "pdwatch.recorder.spans_dropped": self.export.dropped,
             "pdwatch.recorder.export_failed_spans": self.export.failed_spans,
             "pdwatch.recorder.legs_evicted": legs.evicted,

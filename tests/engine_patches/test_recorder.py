@@ -361,3 +361,35 @@ def test_config_from_environment_and_validation():
         RecorderConfig(role="decode").resolved({"PDWATCH_HEARTBEAT_S": "soon"})
     with pytest.raises(ValueError, match="role"):
         RecorderConfig(role="router").resolved({})
+
+
+def test_heartbeats_say_how_much_cpu_the_recorder_thread_used_and_only_its_own():
+    kept = KeptSpans()
+    cfg = RecorderConfig(role="prefill", instance="prefill-0", heartbeat_s=0.05, drain_interval_s=0.05)
+    rec = Recorder(cfg, transport=kept.transport, environ={}).start()
+    try:
+        def beats():
+            return [s.attributes["pdwatch.recorder.worker_cpu_s"] for s in spans_by_name(kept).get("pd.heartbeat", [])]
+
+        # CPU burnt on this (the engine's) thread is not the worker's.
+        spin_until = time.thread_time() + 0.4
+        while time.thread_time() < spin_until:
+            pass
+        time.sleep(0.2)
+        idle = rec.worker_cpu_s
+        assert 0 < idle < 0.2
+        # Spans to build: the worker's figure grows, and heartbeats carry it.
+        for i in range(3000):
+            rec.arrive(f"p-{i}", bootstrap_room=i)
+            rec.enter(f"p-{i}", "queued")
+            rec.finish(f"p-{i}", "ok")
+        deadline = time.monotonic() + 10
+        while rec.legs.completed < 3000 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        assert rec.worker_cpu_s > idle
+        seen = beats()
+        assert seen == sorted(seen) and seen[-1] > idle
+        assert seen[-1] <= time.process_time()
+    finally:
+        rec.shutdown()
