@@ -41,10 +41,12 @@ import time
 
 import psutil
 
+from pdwatch import contract as c
 from pdwatch.testbed.processes import free_port
 from pdwatch.testbed.sglang_pd.stack import SglangStack
 from pdwatch.testbed.sidecar_process import SidecarProcess
 
+MAX_FAILED = 3  # failed requests a round survives (each explained); more ends the run
 HEARTBEAT_WAIT_S = 2.5  # the plugin's heartbeat interval (1 s) and then some
 GOAL = 0.01  # of the median request latency
 # Student's t, two-sided 95 %, by degrees of freedom (a fact of the distribution); beyond the table
@@ -124,12 +126,31 @@ def cpu_s(stack: SglangStack) -> float:
     return total
 
 
-def loop_turns(sidecar: SidecarProcess | None, cluster: str) -> dict[str, int]:
-    """Each plugin instance's scheduler loop turns so far (pd.loop.iterations), from the sidecar."""
+def engine_counts(sidecar: SidecarProcess | None, cluster: str) -> dict[str, tuple[int, float]]:
+    """Each plugin instance's scheduler loop turns (pd.loop.iterations) and its recorder thread's CPU
+    seconds so far, from the sidecar."""
     if sidecar is None:
         return {}
-    return {i["role"]: i["ranks"][0]["loop_iterations"] or 0 for i in sidecar.get("/api/v1/summary")["instances"]
-            if i["cluster"] == cluster and i["ranks"]}
+    return {i["role"]: (i["ranks"][0]["loop_iterations"] or 0,
+                        i["ranks"][0]["engine"].get("pdwatch.recorder.worker_cpu_s", 0.0))
+            for i in sidecar.get("/api/v1/summary")["instances"] if i["cluster"] == cluster and i["ranks"]}
+
+
+def explain_failure(name: str, i: int, error: Exception, stack: SglangStack, sidecar: SidecarProcess | None) -> None:
+    """What a failed request leaves to read: which stack, what the sidecar holds open or stuck there
+    (the plugin's stack only), and the tail of each of its servers' logs."""
+    print(f"request {i} through the stack {name} the plugin failed: {type(error).__name__}: {error}", flush=True)
+    if name == "with" and sidecar is not None:
+        try:
+            stuck = [leg for leg in sidecar.get(c.PATH_STUCK) if leg.get("cluster") == stack.cluster]
+            print(f"  the sidecar's stuck legs there: {json.dumps(stuck)[:2000]}")
+            for inst in sidecar.get("/api/v1/summary")["instances"]:
+                if inst["cluster"] == stack.cluster:
+                    print(f"  {inst['pd_instance']}: open {json.dumps(inst['open'])}")
+        except Exception as e:  # the explanation must not hide the failure
+            print(f"  (the sidecar could not be read: {e})")
+    for server in (*stack.servers.values(), stack.sglang_router):
+        print(f"  --- {server.instance}, last lines:\n" + server.tail(12), flush=True)
 
 
 def one_round(args, endpoint: str, plugin_first: bool, rng: random.Random, label: str,
@@ -145,30 +166,44 @@ def one_round(args, endpoint: str, plugin_first: bool, rng: random.Random, label
         ports = {name: s.sglang_router.port for name, s in stacks.items()}
         lat: dict[str, list[float]] = {"with": [], "without": []}
         cpu: dict[str, float] = {}
-        turns: dict[str, int] = {}
+        counts: dict[str, tuple[int, float]] = {}
+        failed = {"with": 0, "without": 0}
         for i in range(args.warmup + args.requests):
             if i == args.warmup:
                 cpu = {name: cpu_s(s) for name, s in stacks.items()}
                 time.sleep(HEARTBEAT_WAIT_S)  # the warm-up's last heartbeat
-                turns = loop_turns(sidecar, stacks["with"].cluster)
+                counts = engine_counts(sidecar, stacks["with"].cluster)
             ids = [rng.randrange(3, 1000) for _ in range(args.prompt_tokens)]
             order = ("with", "without") if i % 2 == 0 else ("without", "with")
+            took = {}
             for name in order:
-                t = one_request(ports[name], ids, args.max_tokens)
-                if i >= args.warmup:
+                try:
+                    took[name] = one_request(ports[name], ids, args.max_tokens)
+                except (OSError, RuntimeError, http.client.HTTPException) as e:
+                    failed[name] += 1
+                    explain_failure(name, i, e, stacks[name], sidecar)
+                    if sum(failed.values()) > MAX_FAILED:
+                        raise RuntimeError(f"more than {MAX_FAILED} failed requests in one round: {failed}") from e
+            # A pair with a failed request is left out of both columns, so the twins stay twins.
+            if i >= args.warmup and len(took) == 2:
+                for name, t in took.items():
                     lat[name].append(t)
         cpu = {name: (cpu_s(s) - cpu[name]) / args.requests for name, s in stacks.items()}
         time.sleep(HEARTBEAT_WAIT_S)
-        turns = {role: (n - turns.get(role, 0)) / args.requests
-                 for role, n in loop_turns(sidecar, stacks["with"].cluster).items()}
+        turns, recorder_cpu = {}, {}
+        for role, (n, cpu_now) in engine_counts(sidecar, stacks["with"].cluster).items():
+            n0, cpu0 = counts.get(role, (0, 0.0))
+            turns[role] = (n - n0) / args.requests
+            recorder_cpu[role] = (cpu_now - cpu0) / args.requests
     finally:
         for s in stacks.values():
             s.stop()
     # Each request with the plugin has a twin without, sent right before or after it with the same
     # prompt: their difference leaves out what the machine was doing at that moment.
     pairs = [a - b for a, b in zip(lat["with"], lat["without"])]
-    return {"with": lat["with"], "without": lat["without"], "pairs": pairs, "cpu": cpu,
-            "base": statistics.median(lat["without"]), "diff": statistics.median(pairs), "turns": turns}
+    return {"with": lat["with"], "without": lat["without"], "pairs": pairs, "cpu": cpu, "failed": failed,
+            "base": statistics.median(lat["without"]), "diff": statistics.median(pairs), "turns": turns,
+            "recorder_cpu": recorder_cpu}
 
 
 def main() -> int:
@@ -234,13 +269,19 @@ def report_round(k: int, r: dict, brng: random.Random) -> None:
           f" ms p90 {p90(r['with']) * 1e3:6.2f}; without median {r['base'] * 1e3:6.2f} ms p90 "
           f"{p90(r['without']) * 1e3:6.2f}; paired difference {r['diff'] * 1e3:+.3f} ms = "
           f"{r['diff'] / r['base'] * 100:+.2f} % (95 %: {lo / r['base'] * 100:+.2f} .. {hi / r['base'] * 100:+.2f} %)")
+    if any(r["failed"].values()):
+        print(f"  failed requests (their pairs left out): with the plugin {r['failed']['with']}, "
+              f"without {r['failed']['without']}")
     print(f"  CPU per request, all of the stack's processes: with {r['cpu']['with'] * 1e3:.2f} ms, without "
           f"{r['cpu']['without'] * 1e3:.2f} ms ({(r['cpu']['with'] - r['cpu']['without']) * 1e3:+.2f} ms)")
     if r["turns"]:
-        # Wrapped calls every turn: decode 2 (loop tick, transfer-queue extend), prefill 3
-        # (loop tick, bootstrap pop, batch pick); the cost per call is sglang_hook_cost.py's.
+        # Wrapped calls every turn: decode 1 (loop tick), prefill 3 (loop tick, bootstrap pop,
+        # batch pick); the cost per call is sglang_hook_cost.py's.
         print("  scheduler loop turns per request: " + ", ".join(
-            f"{role} {n:.1f}" for role, n in sorted(r["turns"].items())), flush=True)
+            f"{role} {n:.1f}" for role, n in sorted(r["turns"].items())))
+        # The recorder thread's share of the CPU added: span building, heartbeats, posting.
+        print("  recorder thread CPU per request (of the added CPU above): " + ", ".join(
+            f"{role} {s * 1e3:.3f} ms" for role, s in sorted(r["recorder_cpu"].items())), flush=True)
 
 
 if __name__ == "__main__":
