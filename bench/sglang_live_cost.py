@@ -132,7 +132,7 @@ def engine_counts(sidecar: SidecarProcess | None, cluster: str) -> dict[str, tup
     if sidecar is None:
         return {}
     return {i["role"]: (i["ranks"][0]["loop_iterations"] or 0,
-                        i["ranks"][0]["engine"].get("pdwatch.recorder.worker_cpu_s", 0.0))
+                        i["ranks"][0]["engine"].get(c.H_WORKER_CPU, 0.0))
             for i in sidecar.get("/api/v1/summary")["instances"] if i["cluster"] == cluster and i["ranks"]}
 
 
@@ -256,7 +256,7 @@ def main() -> int:
     print(f"all {args.rounds} rounds (the slot cancels): the plugin adds {share * 100:+.2f} % of the median request "
           f"latency (95 %: {lo * 100:+.2f} .. {hi * 100:+.2f} %, {how})")
     if summary is not None:
-        errors = [r["engine"].get("pdwatch.recorder.hook_errors", 0) for i in summary["instances"]
+        errors = [r["engine"].get(c.H_HOOK_ERRORS, 0) for i in summary["instances"]
                   if i["cluster"].startswith("bench-") for r in i["ranks"]]
         print(f"hook errors on the plugin's ranks: {errors}")
     print(f"goal (< 1 % of the median): {verdict(lo, hi)}")

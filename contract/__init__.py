@@ -126,6 +126,7 @@ H_OPEN_PROBES = "pd.open.probes"
 H_RECORDER_PREFIX = "pdwatch.recorder."
 H_ENGINE_PREFIX = "pd.engine."
 H_HOOK_ERRORS = "pdwatch.recorder.hook_errors"
+H_WORKER_CPU = "pdwatch.recorder.worker_cpu_s"  # the recorder thread's CPU seconds so far
 # The longest the engine's loop stands still while idle, seconds (0: it spins), as the engine knows
 # it: the sidecar then judges an idle loop that stops without first watching it turn while idle.
 H_LOOP_IDLE_TURN = "pdwatch.loop.idle_turn_s"

@@ -221,9 +221,9 @@ class Recorder:
             c.H_TOKENS: legs.tokens_generated,
             # pdwatch's own health, so the sidecar can tell lost telemetry from quiet.
             "pdwatch.recorder.dropped": self.dropped,
-            "pdwatch.recorder.hook_errors": self.hook_errors,
+            c.H_HOOK_ERRORS: self.hook_errors,
             "pdwatch.recorder.worker_errors": self.worker_errors,
-            "pdwatch.recorder.worker_cpu_s": self.worker_cpu_s,
+            c.H_WORKER_CPU: self.worker_cpu_s,
             "pdwatch.recorder.spans_dropped": self.export.dropped,
             "pdwatch.recorder.export_failed_spans": self.export.failed_spans,
             "pdwatch.recorder.legs_evicted": legs.evicted,
