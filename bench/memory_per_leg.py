@@ -25,7 +25,9 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from pdwatch.engine_patches.otlp_http import MemoryTransport
 from pdwatch.engine_patches.recorder import Recorder, RecorderConfig
-from pdwatch.sidecar.tracker import Tracker
+from pdwatch.sidecar.settings import Settings
+from pdwatch.sidecar.spans import decode
+from pdwatch.sidecar.tracker import Limits, Tracker
 
 CHUNK = 2048  # legs per OTLP body; the inventory limit, so each heartbeat lists its chunk's legs
 
@@ -75,13 +77,13 @@ def measure(bodies: list[bytes], max_open: int) -> tuple[int, int, int]:
     """
     gc.collect()
     before = tracemalloc.get_traced_memory()[0]
-    tracker = Tracker(max_open_legs=max_open, clock=time.time_ns)
+    tracker = Tracker(Limits.of(Settings(max_open_legs=max_open)), clock=time.time_ns)
     for body in bodies:
-        tracker.ingest(ExportTraceServiceRequest.FromString(body))
+        tracker.apply(decode(ExportTraceServiceRequest.FromString(body)))
     gc.collect()
     held = tracemalloc.get_traced_memory()[0] - before
     n_open = len(tracker.open)
-    for window in tracker.thresholds._samples.values():
+    for window in tracker.samples._samples.values():
         window.clear()
     gc.collect()
     window_bytes = held - (tracemalloc.get_traced_memory()[0] - before)

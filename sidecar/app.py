@@ -2,8 +2,8 @@
 
 Ingest reads the body on the event loop and hands parsing, decoding and
 applying to the tracker's worker thread, awaiting the result; every GET reads
-the judge's latest immutable evaluation (one request's detail is a read-only
-query on the worker). So the event loop never waits on the tracker, and no read
+the judge's latest immutable evaluation (one request's detail is the judge's
+view of it, made on the worker when asked). So the event loop never waits on the tracker, and no read
 changes anything.
 """
 
@@ -160,8 +160,7 @@ def create_app(settings: Settings | None = None, *, clock: Callable[[], int] = t
         trace_id = trace_id.lower()
         if not TRACE_ID.match(trace_id):
             raise HTTPException(400, "trace id must be 32 hex digits")
-        detail = await asyncio.wrap_future(
-            sc.worker.submit(views.request_detail, sc.tracker, sc.latest(), trace_id))
+        detail = views.request_detail(await asyncio.wrap_future(sc.worker.submit(sc.judge.request_view, trace_id)))
         if detail is None:
             raise HTTPException(404, f"no leg of trace {trace_id} is known")
         return detail

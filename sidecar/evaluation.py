@@ -46,6 +46,53 @@ class StuckLeg:
 
 
 @dataclass(frozen=True, slots=True)
+class StageRun:
+    """One finished stage of a leg (engine clock)."""
+
+    stage: str
+    start_ns: int
+    end_ns: int
+    error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class LegDetail:
+    """One leg of a request, open or done, as the judge saw it when asked (GET /api/v1/requests/{id})."""
+
+    role: str
+    rid: str
+    room: int | None
+    cluster: str
+    pd_instance: str
+    incarnation: str | None
+    peer: str | None
+    span_id: str | None
+    open: bool
+    outcome: str | None
+    arrive_ns: int | None  # engine clock
+    end_ns: int | None  # engine clock
+    tokens: int
+    prompt_tokens: int | None
+    stages: tuple[StageRun, ...]  # in start order
+    # While open: where it is, since when (engine clock), how long (decode: since its last new token),
+    # the engine's last error, and the judge's latest verdict if it is stuck.
+    stage: str | None
+    stage_since_ns: int | None
+    age_s: float | None
+    error: str | None
+    stuck: StuckLeg | None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestView:
+    """Both legs of one request (a request's detail is asked for one at a time, not published each tick:
+    a view of every leg in every evaluation would double the memory an open leg costs)."""
+
+    trace_id: str
+    legs: tuple[LegDetail, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Group:
     """One (cluster, role, stage, pd_instance): what its open legs came to."""
 

@@ -1,12 +1,17 @@
 """The judge: the one place where time passes.
 
 On each tick (the worker thread, every `PDWATCH_EVALUATE_INTERVAL_S`) it
-forgets instances past their TTL, finds ranks that went down, applies the
-stuck rule and the evidence rules of contract section 5b to every open leg,
-joins GPUs to instances, diagnoses each cluster, and publishes the result as
-one immutable `Evaluation`. Legs that became stuck on this tick go to
-`on_stuck` once each (the forwarder's pd.stuck spans), with the family this
-same tick diagnosed.
+forgets instances past their TTL, reads the restarts the tracker logged,
+finds ranks that went down, applies the stuck rule and the evidence rules of
+contract section 5b to every open leg, joins GPUs to instances, diagnoses
+each cluster, and publishes the result as one immutable `Evaluation`. Legs
+that became stuck on this tick go to `on_stuck` once each (the forwarder's
+pd.stuck spans), with the family this same tick diagnosed.
+
+The tracker's objects are facts it reads and never writes (tests/test_layout.py
+holds it so); the rules over them are `rules.py` and `thresholds.py`, and what
+it concludes lives in its own tables (`verdicts.py`): per-leg verdicts, ranks
+found down, peers gone, legs found stuck.
 """
 
 from __future__ import annotations
@@ -18,17 +23,32 @@ from typing import Any
 
 from pdwatch import contract as c
 
+from . import rules
 from .capture import StackCapture
 from .contrast import Contrast, LegFacts, contrast
 from .diagnosis.classify import REPORT_AT, classify, verdict
 from .diagnosis.from_evaluation import gather
-from .evaluation import EMPTY, Counters, Evaluation, GpuView, Group, InstanceView, Rank, StuckLeg
+from .evaluation import (
+    EMPTY,
+    Counters,
+    Evaluation,
+    GpuView,
+    Group,
+    InstanceView,
+    LegDetail,
+    Rank,
+    RequestView,
+    StageRun,
+    StuckLeg,
+)
 from .gpu.join import InstanceClaim, Owner, OwnerMemory
 from .gpu.sampler import GpuSampler
 from .history import History
-from .metrics import StageDurations
-from .model import Incarnation, Instance, Leg, arrival_ns, leg_age_s
+from .model import Incarnation, Instance, Leg, arrival_ns, stage_history
+from .settings import Settings
+from .thresholds import Thresholds
 from .tracker import Tracker
+from .verdicts import GonePeers, LegVerdict
 
 log = logging.getLogger("pdwatch.sidecar.judge")
 
@@ -47,16 +67,25 @@ class Judge:
     def __init__(
         self,
         tracker: Tracker,
+        settings: Settings | None = None,
         *,
-        durations: StageDurations | None = None,
         gpu: GpuSampler | None = None,
         gpu_map: dict[str, Owner] | None = None,
         on_stuck: Callable[[Sequence[StuckLeg], dict[str, str | None]], None] | None = None,
         history: History | None = None,
         capture: StackCapture | None = None,
     ):
+        settings = settings or Settings.model_construct()  # the settings' defaults
         self.tracker = tracker
-        self.durations = durations
+        self.thresholds = Thresholds(tracker.samples, settings.floors)
+        self.flow_window_ns = int(settings.flow_window_s * 1e9)
+        self.instance_ttl_ns = int(settings.instance_ttl_s * 1e9)
+        # The judge's own tables (verdicts.py): what it concluded, never written into the tracker.
+        self.verdicts: dict[tuple[str, str], LegVerdict] = {}
+        self.gone_peers = GonePeers()
+        self.down: dict[Incarnation, tuple[int, str]] = {}  # rank -> (found down at, its cluster)
+        self.stuck_detected: dict[tuple[str, str, str], int] = {}
+        self._retired_seen = 0
         self.gpu = gpu
         self.owners = OwnerMemory(gpu_map or {})
         self.on_stuck = on_stuck
@@ -70,23 +99,23 @@ class Judge:
     def tick(self, now: int | None = None) -> Evaluation:
         t = self.tracker
         now = t.clock() if now is None else now
-        t.expire_instances(now)
+        self._expire(now)
+        self._read_restarts()
         self._find_down(now)
         frozen = {(inst.cluster, inst.name): ranks for inst in t.instances.values()
-                  if (ranks := t.frozen_ranks(inst, now))}
+                  if (ranks := rules.frozen_ranks(inst, now))}
         stuck, groups, thresholds, fresh, stuck_legs = self._judge_legs(now, frozen)
-        # A loop frozen while idle names its instance, never a leg (tracker.idle_frozen_ranks).
+        # A loop frozen while idle names its instance, never a leg (rules.idle_frozen_ranks).
         frozen_any = frozen | {(inst.cluster, inst.name): ranks for inst in t.instances.values()
-                               if (ranks := t.idle_frozen_ranks(inst, now))}
-        flowing = {name: cl.last_ok_ns > 0 and now - cl.last_ok_ns <= t.flow_window_ns
-                   for name, cl in t.clusters.items()}
+                               if (ranks := rules.idle_frozen_ranks(inst, now))}
+        flowing = {name: rules.flowing(cl.last_ok_ns, now, self.flow_window_ns) for name, cl in t.clusters.items()}
         instances = tuple(self._instance(inst, now, frozen_any) for inst in t.instances.values())
         gpus, gpu_up, reason, driver, sampled_at = self._gpus(instances)
         self._seq += 1
         ev = Evaluation(
             at_ns=now, seq=self._seq, stuck=stuck, groups=groups, thresholds=thresholds, flowing=flowing,
-            flow_window_s=t.flow_window_ns / 1e9, instances=instances, counters=self._counters(),
-            histogram=self.durations.snapshot() if self.durations is not None else EMPTY.histogram,
+            flow_window_s=self.flow_window_ns / 1e9, instances=instances, counters=self._counters(),
+            histogram=t.durations.snapshot(),
             gpu_up=gpu_up, gpu_reason=reason, gpu_driver=driver, gpu_sampled_at=sampled_at, gpus=gpus, diagnosis=(),
         )
         contrasts = self._contrasts(stuck_legs, now)
@@ -112,47 +141,85 @@ class Judge:
 
     # ---- instances -------------------------------------------------------------------------
 
-    def _find_down(self, now: int) -> None:
-        """A rank that stopped heartbeating has ended, as far as its KV peers are concerned."""
+    def _expire(self, now: int) -> None:
+        """Instances silent past the TTL are forgotten: the tracker drops its facts, the judge its verdicts."""
         t = self.tracker
-        for inst in t.instances.values():
+        for key in [k for k, inst in t.instances.items() if rules.expired(inst, now, self.instance_ttl_ns)]:
+            inst = t.forget_instance(key, now)
+            if inst is None:
+                continue
             for inc in inst.ranks.values():
-                if inc.last_heartbeat_ns and not inc.down_since_ns and not t.rank_up(inc, now):
-                    inc.down_since_ns = now
-                    t.gone_peers.add(inst.cluster, inc, inst.name, now)
+                self.down.pop(inc, None)
+            if inst.cluster not in t.clusters:
+                self.gone_peers.forget_cluster(inst.cluster)
+                for skey in [k for k in self.stuck_detected if k[0] == inst.cluster]:
+                    del self.stuck_detected[skey]
+
+    def _read_restarts(self) -> None:
+        """A process replaced by a restart has ended: its peer ids name nobody, since it went down if it did."""
+        t = self.tracker
+        new, self._retired_seen = t.retired_total - self._retired_seen, t.retired_total
+        if new <= 0:
+            return
+        for r in list(t.retirements)[-new:]:
+            down = self.down.pop(r.inc, None)
+            self.gone_peers.add(r.cluster, r.inc, r.instance, down[0] if down is not None else r.at_ns)
+
+    def _find_down(self, now: int) -> None:
+        """A rank that stopped heartbeating has ended, as far as its KV peers are concerned; one that
+        heartbeats again (a stopped process continued) names a live peer once more."""
+        for inc in [inc for inc in self.down if rules.rank_up(inc, now)]:
+            _, cluster = self.down.pop(inc)
+            self.gone_peers.revive(cluster, inc)
+        for inst in self.tracker.instances.values():
+            for inc in inst.ranks.values():
+                if inc.last_heartbeat_ns and inc not in self.down and not rules.rank_up(inc, now):
+                    self.down[inc] = (now, inst.cluster)
+                    self.gone_peers.add(inst.cluster, inc, inst.name, now)
 
     def _instance(self, inst: Instance, now: int, frozen: Frozen) -> InstanceView:
-        t = self.tracker
         owner = inst.owner
         beats = [inc.last_heartbeat_ns for inc in inst.ranks.values() if inc.last_heartbeat_ns]
         open_total = owner.open_total if owner is not None and owner.open_total is not None else \
             sum(owner.open_counts.values()) if owner is not None else 0
         return InstanceView(
-            cluster=inst.cluster, name=inst.name, role=inst.role, up=t.instance_up(inst, now),
-            loop_stalled=t.loop_stalled(inst, now), loop_frozen=(inst.cluster, inst.name) in frozen,
+            cluster=inst.cluster, name=inst.name, role=inst.role, up=rules.instance_up(inst, now),
+            loop_stalled=rules.loop_stalled(inst, now), loop_frozen=(inst.cluster, inst.name) in frozen,
             restarts=inst.restarts, restart_times_ns=tuple(inst.restart_times_ns),
             start_ns=owner.start_ns if owner is not None and owner.start_ns else None,
             heartbeat_age_s=(now - min(beats)) / 1e9 if beats else None,
             open_counts=dict(owner.open_counts) if owner is not None else {},
             open_total=open_total,
-            finished_ok_recent=inst.finished_ok_since(now - t.flow_window_ns),
+            finished_ok_recent=rules.finished_ok_since(inst, now - self.flow_window_ns),
             ranks=tuple(self._rank(inc, now) for inc in sorted(inst.ranks.values(), key=lambda i: i.rank)),
         )
 
-    def _rank(self, inc: Incarnation, now: int) -> Rank:
-        t = self.tracker
+    @staticmethod
+    def _rank(inc: Incarnation, now: int) -> Rank:
         return Rank(
             rank=inc.rank, incarnation=inc.id, pid=inc.pid, host=inc.host, start_ns=inc.start_ns,
             heartbeat_seq=inc.seq,
             heartbeat_age_s=(now - inc.last_heartbeat_ns) / 1e9 if inc.last_heartbeat_ns else None,
-            up=t.rank_up(inc, now), loop_iterations=inc.loop_iterations, loop_still_s=t.loop_frozen_for(inc),
-            loop_rule_s=t.loop_rule_s(inc, now), idle_turn_s=inc.idle_turn_s, completed=inc.completed, failed=inc.failed,
+            up=rules.rank_up(inc, now), loop_iterations=inc.loop_iterations, loop_still_s=rules.loop_still_s(inc),
+            loop_rule_s=rules.loop_rule_s(inc, now), idle_turn_s=inc.idle_turn_s, completed=inc.completed, failed=inc.failed,
             tokens_generated=inc.tokens_generated, open_total=inc.open_total,
             offset_s=round(inc.offset_ns() / 1e9, 3), gpu_uuids=inc.gpu_uuids, peer_ids=inc.peer_ids,
             engine=dict(inc.extra),
         )
 
     # ---- legs ------------------------------------------------------------------------------
+
+    def _verdict(self, key: tuple[str, str], leg: Leg) -> LegVerdict | None:
+        """The standing verdict on this leg: started over when the key names a new leg or the leg a new stage."""
+        v = self.verdicts.get(key)
+        if v is None:
+            return None
+        if v.leg is not leg:
+            del self.verdicts[key]
+            return None
+        if v.entries != leg.entries:
+            v.entries, v.stage, v.evidence, v.evidence_why, v.stuck_at_ns = leg.entries, None, None, "", None
+        return v
 
     def _judge_legs(self, now: int, frozen: Frozen) -> JudgedLegs:
         t = self.tracker
@@ -161,63 +228,73 @@ class Judge:
         stuck: list[StuckLeg] = []
         fresh: list[StuckLeg] = []
         stuck_legs: list[Leg] = []
-        for leg in t.open.values():
+        for key, leg in t.open.items():
             stage = leg.stage
+            v = self._verdict(key, leg)
             if stage is None or leg.stage_done:
-                leg.stuck_at_ns = None
+                if v is not None:
+                    v.stuck_at_ns = None
                 continue
             tkey = (leg.cluster, leg.role, stage)
             thr = thresholds.get(tkey)
             if thr is None:
-                thr = thresholds[tkey] = t.thresholds.threshold(tkey, now)
-            age = leg_age_s(leg, now)
+                thr = thresholds[tkey] = self.thresholds.threshold(tkey, now)
+            age = rules.leg_age_s(leg, now)
             gkey = (leg.cluster, leg.role, stage, leg.pd_instance)
             group = groups.get(gkey)
             if group is None:
                 group = groups[gkey] = [0, 0.0, {}]
             if age > group[1]:
                 group[1] = age
-            if leg.evidence_stage != stage:
-                leg.evidence = leg.evidence_stage = None
-            if leg.evidence is None:
+            if v is not None and v.stage != stage:
+                v.evidence = None
+            if v is None or v.evidence is None:
                 found = self._evidence(leg, stage, now, frozen)
                 if found is not None:
-                    leg.evidence, leg.evidence_why = found
-                    leg.evidence_stage = stage
-            reason = leg.evidence or (c.REASON_THRESHOLD if age > thr else None)
+                    if v is None:
+                        v = self.verdicts[key] = LegVerdict(leg, leg.entries)
+                    (v.evidence, v.evidence_why), v.stage = found, stage
+            evidence = v.evidence if v is not None else None
+            reason = evidence or (c.REASON_THRESHOLD if age > thr else None)
             if reason is None:
-                leg.stuck_at_ns = None
+                if v is not None:
+                    v.stuck_at_ns = None
                 continue
-            why = leg.evidence_why if leg.evidence else f"in {stage} for {age:.0f} s, past its threshold of {thr:.0f} s"
+            if v is None:
+                v = self.verdicts[key] = LegVerdict(leg, leg.entries)
+            why = v.evidence_why if evidence else f"in {stage} for {age:.0f} s, past its threshold of {thr:.0f} s"
             group[0] += 1
             if reason != c.REASON_THRESHOLD:
                 group[2][reason] = group[2].get(reason, 0) + 1
-            first = leg.stuck_at_ns is None
+            first = v.stuck_at_ns is None
             if first:
-                leg.stuck_at_ns = now
-            view = self._stuck_view(leg, stage, age, thr, reason, why)
+                v.stuck_at_ns = now
+            view = self._stuck_view(leg, stage, age, thr, reason, why, v.stuck_at_ns or now)
             stuck.append(view)
             stuck_legs.append(leg)
-            if first and not leg.ever_stuck:
-                leg.ever_stuck = True
+            if first and not v.ever_stuck:
+                v.ever_stuck = True
                 skey = (leg.cluster, leg.role, stage)
-                t.stuck_detected[skey] = t.stuck_detected.get(skey, 0) + 1
+                self.stuck_detected[skey] = self.stuck_detected.get(skey, 0) + 1
                 fresh.append(view)
-        for key in t.thresholds.keys():
-            if key not in thresholds:
-                thresholds[key] = t.thresholds.threshold(key, now)
+        # Verdicts on legs that ended (or were forgotten) go with them.
+        for key in [k for k, v in self.verdicts.items() if t.open.get(k) is not v.leg]:
+            del self.verdicts[key]
+        for skey in t.samples.keys():
+            if skey not in thresholds:
+                thresholds[skey] = self.thresholds.threshold(skey, now)
         for inst in t.instances.values():
             for stage in c.STAGES[inst.role]:
                 tkey = (inst.cluster, inst.role, stage)
                 if tkey not in thresholds:
-                    thresholds[tkey] = t.thresholds.threshold(tkey, now)
+                    thresholds[tkey] = self.thresholds.threshold(tkey, now)
+        self.thresholds.forget(set(t.samples.keys()))
         stuck.sort(key=lambda s: -s.age_s)
         out_groups = {k: Group(v[0], round(v[1], 3), v[2]) for k, v in groups.items()}
         return tuple(stuck), out_groups, thresholds, fresh, stuck_legs
 
     def _evidence(self, leg: Leg, stage: str, now: int, frozen: Frozen) -> tuple[str, str] | None:
         """(reason, the evidence in words) when the engines' reports prove the leg cannot progress."""
-        t = self.tracker
         if leg.error is not None and leg.listed_seq > leg.error_seq:
             return c.REASON_ENGINE_ERROR, f"the engine recorded {leg.error!r} and still lists the leg"
         ranks = frozen.get((leg.cluster, leg.pd_instance))
@@ -225,13 +302,13 @@ class Judge:
             inc = ranks[0]
             return c.REASON_LOOP_FROZEN, (
                 f"{leg.pd_instance} rank {inc.rank}: its loop has not advanced for "
-                f"{t.loop_frozen_for(inc):.1f} s with legs open while it keeps heartbeating "
-                f"(rule {t.loop_rule_s(inc, now):.1f} s)")
-        if stage in _EVIDENCE_STAGES and leg.peer and len(t.gone_peers):
+                f"{rules.loop_still_s(inc):.1f} s with legs open while it keeps heartbeating "
+                f"(rule {rules.loop_rule_s(inc, now):.1f} s)")
+        if stage in _EVIDENCE_STAGES and leg.peer and len(self.gone_peers):
             interval_ns = (leg.inc.interval_s if leg.inc is not None else c.DEFAULT_HEARTBEAT_S) * 1e9
             offset = leg.inc.offset_ns() if leg.inc is not None else 0
             for peer in leg.peer.split(","):
-                gone = t.gone_peers.get(leg.cluster, peer)
+                gone = self.gone_peers.get(leg.cluster, peer)
                 # The leg talked to that process (entered its stage before the end) and an
                 # inventory taken a heartbeat after the end still lists it.
                 if gone is not None and leg.stage_since_ns + offset < gone.ended_ns \
@@ -242,12 +319,13 @@ class Judge:
         return None
 
     @staticmethod
-    def _stuck_view(leg: Leg, stage: str, age: float, thr: float, reason: str, why: str) -> StuckLeg:
+    def _stuck_view(leg: Leg, stage: str, age: float, thr: float, reason: str, why: str,
+                    stuck_since_ns: int) -> StuckLeg:
         inc = leg.inc
         return StuckLeg(
             trace_id=leg.trace_id, rid=leg.rid, room=leg.room, cluster=leg.cluster, role=leg.role, stage=stage,
             pd_instance=leg.pd_instance, peer=leg.peer, age_s=age, threshold_s=thr, reason=reason, why=why,
-            stage_since_ns=leg.stage_since_ns, stuck_since_ns=leg.stuck_at_ns or 0, span_id=leg.span_id,
+            stage_since_ns=leg.stage_since_ns, stuck_since_ns=stuck_since_ns, span_id=leg.span_id,
             offset_ns=inc.offset_ns() if inc is not None else 0, prompt_tokens=leg.prompt_tokens,
             error=leg.error, incarnation=inc.id if inc is not None else None, arrive_ns=leg.arrive_ns,
         )
@@ -280,7 +358,7 @@ class Judge:
         for leg in stuck_legs:
             by_cluster.setdefault(leg.cluster, []).append(leg)
         flowing: dict[str, list[Leg]] = {name: [] for name in by_cluster}
-        since, seen = now - t.flow_window_ns, 0
+        since, seen = now - self.flow_window_ns, 0
         for leg in reversed(t.closed.values()):  # newest ends first
             if leg.closed_at_ns < since or seen >= CONTRAST_FLOWING_MAX:
                 break
@@ -304,7 +382,7 @@ class Judge:
         for peer in (leg.peer or "").split(","):
             if not peer:
                 continue
-            gone = self.tracker.gone_peers.get(leg.cluster, peer)
+            gone = self.gone_peers.get(leg.cluster, peer)
             if gone is not None and gone.ended_ns <= at_ns:
                 owner, ended = gone.instance, True
                 break
@@ -333,13 +411,40 @@ class Judge:
 
     def _counters(self) -> Counters:
         t = self.tracker
-        refused = t.thresholds.keys_refused + (self.durations.refused if self.durations is not None else 0)
+        refused = t.samples.keys_refused + t.durations.refused
         return Counters(
             spans_received=t.spans_received, spans_foreign=t.spans_foreign, spans_rejected=dict(t.rejected),
             duplicates=t.duplicates, heartbeats=t.heartbeats_received, tracked_legs=len(t.open),
             tracked_instances=len(t.instances), evicted=dict(t.evicted), instances_expired=t.instances_expired,
             finished=dict(t.finished), probes_finished=dict(t.probes_finished),
-            stuck_detected=dict(t.stuck_detected), label_sets_refused=refused, gone_peers=len(t.gone_peers),
+            stuck_detected=dict(self.stuck_detected), label_sets_refused=refused, gone_peers=len(self.gone_peers),
+        )
+
+    # ---- one request, asked for by the API ---------------------------------------------------
+
+    def request_view(self, trace_id: str) -> RequestView | None:
+        """Both legs of one request as the judge sees them now (on the tracker's thread), or None."""
+        t = self.tracker
+        now = t.clock()
+        stuck = {s.role: s for s in self.latest.stuck if s.trace_id == trace_id}
+        legs = []
+        for role in c.ROLES:
+            leg = t.open.get((trace_id, role)) or t.closed.get((trace_id, role))
+            if leg is not None:
+                legs.append(self._detail(leg, now, stuck.get(role)))
+        return RequestView(trace_id, tuple(legs)) if legs else None
+
+    @staticmethod
+    def _detail(leg: Leg, now: int, stuck: StuckLeg | None) -> LegDetail:
+        is_open = leg.outcome is None and leg.end_ns is None
+        return LegDetail(
+            role=leg.role, rid=leg.rid, room=leg.room, cluster=leg.cluster, pd_instance=leg.pd_instance,
+            incarnation=leg.inc.id if leg.inc is not None else None, peer=leg.peer, span_id=leg.span_id,
+            open=is_open, outcome=leg.outcome, arrive_ns=leg.arrive_ns, end_ns=leg.end_ns, tokens=leg.tokens,
+            prompt_tokens=leg.prompt_tokens, stages=tuple(StageRun(*run) for run in stage_history(leg)),
+            stage=leg.stage if is_open else None, stage_since_ns=leg.stage_since_ns if is_open else None,
+            age_s=rules.leg_age_s(leg, now) if is_open else None, error=leg.error if is_open else None,
+            stuck=stuck if is_open else None,
         )
 
 

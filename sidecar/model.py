@@ -8,7 +8,7 @@ the judge); readers never see these objects, only the immutable views of
 from __future__ import annotations
 
 from array import array
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass, field
 
 from pdwatch import contract as c
@@ -26,6 +26,8 @@ MAX_STALLS = 512
 # idle (an engine that waits on its input queue) and is never judged so. An engine that says how
 # long its idle loop may stand still (pdwatch.loop.idle_turn_s) is taken at its word at once.
 IDLE_TURNS_TO_TRUST = 3
+# Loop stalls older than this count for no rule.
+LOOP_STALL_WINDOW_NS = int(c.LOOP_STALL_WINDOW_S * 1e9)
 
 
 @dataclass(slots=True, eq=False)
@@ -74,7 +76,6 @@ class Incarnation:
     extra: dict[str, float] = field(default_factory=dict)
     offsets: deque[int] = field(default_factory=lambda: deque(maxlen=OFFSET_SAMPLES))
     keys: set[tuple[str, str]] = field(default_factory=set)  # open legs this process listed or reported
-    down_since_ns: int = 0  # sidecar clock, while the judge finds it down
 
     def offset_ns(self) -> int:
         """Sidecar clock minus engine clock, when they differ by more than export latency."""
@@ -97,12 +98,6 @@ class Instance:
     retired: deque[str] = field(default_factory=lambda: deque(maxlen=16))  # old incarnation ids
     # Sidecar times of recent ok finishes, for "serves others" (bounded: only recency matters).
     ok_times_ns: deque[int] = field(default_factory=lambda: deque(maxlen=4096))
-
-    def finished_ok_since(self, since_ns: int) -> int:
-        times = self.ok_times_ns
-        while times and times[0] < since_ns:
-            times.popleft()
-        return len(times)
 
     @property
     def owner(self) -> Incarnation | None:
@@ -140,20 +135,15 @@ class Leg:
     listed_at_ns: int = 0  # sidecar clock of the latest inventory that listed the leg
     error: str | None = None  # the engine's last error for the open leg (pd.open.errors)
     error_seq: int = -1  # the inventory that first carried it
-    # Stuck on evidence (contract section 5b): why, and in which stage; sticks until the stage changes.
-    evidence: str | None = None
-    evidence_stage: str | None = None
-    evidence_why: str = ""  # the evidence in words, with its figures
-    stuck_at_ns: int | None = None  # sidecar clock, while stuck
-    ever_stuck: bool = False
+    # Stage entries so far: the judge starts a leg's verdict over when this moves.
+    entries: int = 0
     probe: bool = False  # an engine's own warm-up or health check (contract v1.1 section 2)
 
     def enter(self, stage: str, since_ns: int) -> None:
-        """Into a new stage (or back into one): stuck state and evidence start over."""
+        """Into a new stage (or back into one): the judge's verdict on it starts over."""
         self.stage, self.stage_since_ns, self.progress_ns = stage, since_ns, since_ns
-        self.stage_done, self.stuck_at_ns = False, None
-        self.evidence = self.evidence_stage = None
-        self.evidence_why = ""
+        self.stage_done = False
+        self.entries += 1
 
 
 def record_stage(leg: Leg, stage: str, start_ns: int, end_ns: int, error: str | None) -> None:
@@ -187,13 +177,6 @@ def arrival_ns(leg: Leg) -> int:
     return min([*starts, leg.stage_since_ns]) if leg.stage is not None else min(starts, default=0)
 
 
-def leg_age_s(leg: Leg, now_ns: int) -> float:
-    """Seconds in the current stage, on the sidecar's clock; in decode, since the last new token."""
-    offset = leg.inc.offset_ns() if leg.inc is not None else 0
-    ref = max(leg.stage_since_ns, leg.progress_ns) if leg.stage == "decode" else leg.stage_since_ns
-    return (now_ns - offset - ref) / 1e9
-
-
 @dataclass(slots=True, eq=False)
 class Cluster:
     name: str
@@ -201,45 +184,10 @@ class Cluster:
 
 
 @dataclass(slots=True, frozen=True)
-class GonePeer:
-    """A peer id (KV agent name, bootstrap address) of a process that has ended."""
+class Retirement:
+    """A process replaced by a newer one under the same pd.instance (a restart), as the tracker saw it."""
 
-    ended_ns: int  # sidecar clock: when its restart was seen, or it was found down
+    cluster: str
     instance: str
-    incarnation: str
-
-
-class GonePeers:
-    """Peer ids of ended incarnations, bounded: the oldest is forgotten first."""
-
-    def __init__(self, limit: int = 4096):
-        self.limit = limit
-        self._by_id: OrderedDict[tuple[str, str], GonePeer] = OrderedDict()  # (cluster, peer id) -> end
-
-    def add(self, cluster: str, inc: Incarnation, instance: str, ended_ns: int) -> None:
-        for peer in inc.peer_ids:
-            key = (cluster, peer)
-            old = self._by_id.get(key)
-            if old is not None and old.incarnation == inc.id and old.ended_ns <= ended_ns:
-                continue  # the earliest sighting of this end stands
-            self._by_id[key] = GonePeer(ended_ns, instance, inc.id)
-            self._by_id.move_to_end(key)
-        while len(self._by_id) > self.limit:
-            self._by_id.popitem(last=False)
-
-    def revive(self, cluster: str, inc: Incarnation) -> None:
-        """A process found down heartbeats again: its ids name a live peer once more."""
-        for peer in inc.peer_ids:
-            gone = self._by_id.get((cluster, peer))
-            if gone is not None and gone.incarnation == inc.id:
-                del self._by_id[(cluster, peer)]
-
-    def get(self, cluster: str, peer: str) -> GonePeer | None:
-        return self._by_id.get((cluster, peer))
-
-    def forget_cluster(self, cluster: str) -> None:
-        for key in [k for k in self._by_id if k[0] == cluster]:
-            del self._by_id[key]
-
-    def __len__(self) -> int:
-        return len(self._by_id)
+    inc: Incarnation
+    at_ns: int  # sidecar clock

@@ -22,12 +22,12 @@ from .gpu.join import parse_gpu_map
 from .gpu.sampler import GpuSampler
 from .history import History
 from .judge import Judge
-from .metrics import DurationCollector, EvaluationCollector, StageDurations
+from .metrics import DurationCollector, EvaluationCollector
 from .otlp_body import parse_request
 from .overload import GuardCollector, IngestGuard
 from .settings import Settings
 from .spans import Decoded, decode
-from .tracker import Applied, Tracker
+from .tracker import Applied, Limits, Tracker
 from .worker import Worker
 
 
@@ -35,24 +35,14 @@ class Sidecar:
     def __init__(self, settings: Settings, *, clock: Callable[[], int] = time.time_ns,
                  nvml_library: str | None = None, forward_options: dict[str, Any] | None = None):
         self.settings = settings
-        self.durations = StageDurations()
-        self.tracker = Tracker(
-            settings.floors,
-            flow_window_s=settings.flow_window_s,
-            max_open_legs=settings.max_open_legs,
-            max_closed_legs=settings.max_closed_legs,
-            max_instances=settings.max_instances,
-            instance_ttl_s=settings.instance_ttl_s,
-            clock=clock,
-            on_stage_durations=self.durations.observe_many,
-        )
+        self.tracker = Tracker(Limits.of(settings), clock=clock)
         self.gpu = GpuSampler(settings.gpu_interval_s, settings.nvml, library=nvml_library)
         self.forwarder = forward.from_settings(settings.forward_otlp_endpoint, **(forward_options or {}))
         self.history = History()
         hosts = tuple(h.strip() for h in settings.capture_hosts.split(",") if h.strip()) or None
         self.capture = StackCapture(settings.capture, every_s=settings.capture_every_s,
                                     timeout_s=settings.capture_timeout_s, hosts=hosts)
-        self.judge = Judge(self.tracker, durations=self.durations, gpu=self.gpu,
+        self.judge = Judge(self.tracker, settings, gpu=self.gpu,
                            gpu_map=parse_gpu_map(settings.gpu_map),
                            on_stuck=self.forwarder.stuck if self.forwarder is not None else None,
                            history=self.history, capture=self.capture)

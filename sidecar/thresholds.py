@@ -1,71 +1,58 @@
-"""Per-stage stuck thresholds that adapt to what the cluster normally does.
+"""Per-stage stuck thresholds that adapt to what the cluster normally does: the judge's rule.
 
 threshold(cluster, role, stage) = max(floor(stage), 3 x p99 of that stage's
 durations in the cluster over the last 10 minutes or 1,000 samples, whichever
 is fewer) -- contract section 5. The floor keeps a quiet cluster from paging on
-noise; the p99 term keeps a slow-but-healthy cluster from paging at all.
+noise; the p99 term keeps a slow-but-healthy cluster from paging at all. The
+durations are the tracker's facts (`samples.StageSamples`); this reads them and
+never changes them, caching each p99 until its window changes.
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
-from itertools import repeat
 
-StageKey = tuple[str, str, str]  # (cluster, role, stage)
+from pdwatch import contract as c
 
-WINDOW_S = 600.0
-MAX_SAMPLES = 1000
-P99_FACTOR = 3.0
+from .samples import StageKey, StageSamples
 
 
-class StageThresholds:
-    def __init__(self, floors: dict[str, float], *, window_s: float = WINDOW_S, max_samples: int = MAX_SAMPLES,
-                 max_keys: int = 4096):
+class Thresholds:
+    def __init__(self, samples: StageSamples, floors: dict[str, float]):
+        self.samples = samples
         self.floors = dict(floors)
-        self.window_ns = int(window_s * 1e9)
-        self.max_samples = max_samples
-        self.max_keys = max_keys
-        # (cluster, role, stage) -> deque of (observed_at_ns, seconds)
-        self._samples: dict[StageKey, deque[tuple[int, float]]] = {}
-        self._p99_cache: dict[StageKey, float | None] = {}
-        self.keys_refused = 0
-
-    def observe_many(self, key: StageKey, seconds: list[float], now_ns: int) -> None:
-        """Durations observed at one moment (one OTLP batch); each must be finite and >= 0."""
-        window = self._samples.get(key)
-        if window is None:
-            if len(self._samples) >= self.max_keys:
-                self.keys_refused += 1
-                return
-            window = self._samples[key] = deque(maxlen=self.max_samples)
-        window.extend(zip(repeat(now_ns), seconds))
-        self._p99_cache.pop(key, None)
+        # key -> (samples added, samples too old, p99) when it was computed
+        self._cache: dict[StageKey, tuple[int, int, float]] = {}
 
     def p99(self, key: StageKey, now_ns: int) -> float | None:
-        window = self._samples.get(key)
+        window = self.samples.window(key)
         if not window:
+            self._cache.pop(key, None)
             return None
-        cutoff = now_ns - self.window_ns
-        if window[0][0] < cutoff:
-            while window and window[0][0] < cutoff:
-                window.popleft()
-            self._p99_cache.pop(key, None)
-            if not window:
-                return None
-        cached = self._p99_cache.get(key)
-        if cached is not None:
-            return cached
-        values = sorted(v for _, v in window)
+        cutoff = now_ns - self.samples.window_ns
+        old = 0
+        for at, _ in window:  # the writer prunes as it writes: only the few since its last batch are old
+            if at >= cutoff:
+                break
+            old += 1
+        if old == len(window):
+            return None
+        added = self.samples.added.get(key, 0)
+        cached = self._cache.get(key)
+        if cached is not None and cached[0] == added and cached[1] == old:
+            return cached[2]
+        values = sorted(v for i, (_, v) in enumerate(window) if i >= old)
         # Nearest-rank p99: the smallest value with at least 99 % of samples at or below it.
         value = values[max(0, math.ceil(0.99 * len(values)) - 1)]
-        self._p99_cache[key] = value
+        self._cache[key] = (added, old, value)
         return value
 
     def threshold(self, key: StageKey, now_ns: int) -> float:
         floor = self.floors[key[2]]
         p99 = self.p99(key, now_ns)
-        return floor if p99 is None else max(floor, P99_FACTOR * p99)
+        return floor if p99 is None else max(floor, c.P99_FACTOR * p99)
 
-    def keys(self) -> list[StageKey]:
-        return list(self._samples)
+    def forget(self, keep: set[StageKey]) -> None:
+        """Drop cached values of keys the samples no longer hold."""
+        for key in [k for k in self._cache if k not in keep]:
+            del self._cache[key]

@@ -1,25 +1,37 @@
 """The one writer: applies decoded records (`spans.decode`) to the state of every
 engine instance and open leg.
 
-It runs on one thread, the sidecar's worker, with the judge (`judge.py`),
-which is the only other code that touches this state; readers see the
-judge's immutable `Evaluation`, never these objects. Records may arrive late,
-twice or out of order: each rule below says what it does with one that tells
-it nothing new.
+It keeps facts only: what arrived, when (on the sidecar's clock), and
+counters. Whether any of it is late, down, frozen or stuck is the judge's to
+say (`judge.py`, `rules.py`), on the same thread; the judge reads these
+objects and never writes them, and readers see only its immutable
+`Evaluation`. Records may arrive late, twice or out of order: each rule below
+says what it does with one that tells it nothing new.
 """
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import NamedTuple
 
 from pdwatch import contract as c
 
-from .model import IDLE_TURNS_TO_TRUST, Cluster, GonePeers, Incarnation, Instance, Leg, record_stage
+from .durations import StageDurations
+from .model import (
+    IDLE_TURNS_TO_TRUST,
+    LOOP_STALL_WINDOW_NS,
+    Cluster,
+    Incarnation,
+    Instance,
+    Leg,
+    Retirement,
+    record_stage,
+)
+from .samples import StageSamples
+from .settings import Settings
 from .spans import REASONS, Batch, Decoded, HeartbeatRecord, Inventory, LegRecord, Rejection, Source, StageRecord
-from .thresholds import StageThresholds
 
 STAGE_INDEX = {role: {s: i for i, s in enumerate(stages)} for role, stages in c.STAGES.items()}
 # role -> stage -> (its place in the role's order, the stage that follows it or None)
@@ -27,9 +39,10 @@ _STEPS = {role: {s: (i, stages[i + 1] if i + 1 < len(stages) else None) for i, s
           for role, stages in c.STAGES.items()}
 _SEEN_SPANS_MAX = 100_000
 _RESTART_TIMES_MAX = 32
+# Restarts remembered for the judge, which reads those since its last tick (a few per tick at most).
+_RETIREMENTS_MAX = 4096
 # Largest engine-to-sidecar clock difference a heartbeat may show (see _heartbeat).
 MAX_SKEW_NS = 86_400 * 10**9
-LOOP_STALL_WINDOW_NS = int(c.LOOP_STALL_WINDOW_S * 1e9)
 
 # One batch's stage durations: stage -> (seconds, trace ids), for thresholds and the histogram.
 Durations = dict[str, tuple[list[float], list[str]]]
@@ -43,31 +56,22 @@ class Applied(NamedTuple):
 
 
 class Tracker:
-    def __init__(
-        self,
-        floors: dict[str, float] | None = None,
-        *,
-        flow_window_s: float = c.DEFAULT_FLOW_WINDOW_S,
-        max_open_legs: int = 200_000,
-        max_closed_legs: int = 50_000,
-        max_instances: int = 1024,
-        instance_ttl_s: float = 3600.0,
-        clock: Callable[[], int] = time.time_ns,
-        on_stage_durations: Callable[[str, str, str, list[float], list[str]], None] | None = None,
-    ):
-        self.thresholds = StageThresholds(floors or c.DEFAULT_FLOORS_S)
-        self.flow_window_ns = int(flow_window_s * 1e9)
-        self.max_open = max_open_legs
-        self.max_closed = max_closed_legs
-        self.max_instances = max_instances
-        self.instance_ttl_ns = int(instance_ttl_s * 1e9)
+    def __init__(self, limits: Limits | None = None, *, clock: Callable[[], int] = time.time_ns):
+        limits = limits or Limits.of(Settings.model_construct())  # the settings' defaults
+        self.limits = limits
+        self.max_open = limits.max_open_legs
+        self.max_closed = limits.max_closed_legs
+        self.max_instances = limits.max_instances
+        self.recent_ns = int(limits.recent_s * 1e9)
         self.clock = clock
-        self.on_stage_durations = on_stage_durations
+        self.samples = StageSamples()  # recent stage durations, for the judge's thresholds
+        self.durations = StageDurations()  # all stage durations, for the histogram
         self.open: dict[tuple[str, str], Leg] = {}
         self.closed: OrderedDict[tuple[str, str], Leg] = OrderedDict()
         self.instances: dict[tuple[str, str], Instance] = {}
         self.clusters: dict[str, Cluster] = {}
-        self.gone_peers = GonePeers()
+        self.retirements: deque[Retirement] = deque(maxlen=_RETIREMENTS_MAX)
+        self.retired_total = 0  # retirements ever logged: the judge reads those past its last count
         self._seen_spans: OrderedDict[bytes, None] = OrderedDict()
         # Monotonic counters, copied into each Evaluation by the judge.
         self.spans_received = 0
@@ -80,7 +84,6 @@ class Tracker:
         self.finished: dict[tuple[str, str, str, str], int] = {}  # (cluster, role, pd_instance, outcome)
         # Probes apart: a health check finishing is no request flowing.
         self.probes_finished: dict[tuple[str, str, str, str], int] = {}
-        self.stuck_detected: dict[tuple[str, str, str], int] = {}
 
     # ---- ingest ------------------------------------------------------------
 
@@ -139,9 +142,8 @@ class Tracker:
         for stage, (seconds, trace_ids) in durations.items():
             if not seconds:
                 continue
-            self.thresholds.observe_many((src.cluster, src.role, stage), seconds, now)
-            if self.on_stage_durations is not None:
-                self.on_stage_durations(src.cluster, src.role, stage, seconds, trace_ids)
+            self.samples.observe_many((src.cluster, src.role, stage), seconds, now)
+            self.durations.observe_many(src.cluster, src.role, stage, seconds, trace_ids)
 
     def _seen(self, span_id: bytes) -> bool:
         """True if this span was applied before (replays and retries change nothing twice)."""
@@ -183,9 +185,10 @@ class Tracker:
 
     def _retire(self, inst: Instance, old: Incarnation, now: int) -> None:
         """A new process under the same pd.instance: the old one's open legs are lost, not stuck,
-        and whoever still talks to its peer ids talks to nobody."""
+        and whoever still talks to its peer ids talks to nobody (the judge reads the log)."""
         inst.retired.append(old.id)
-        self.gone_peers.add(inst.cluster, old, inst.name, old.down_since_ns or now)
+        self.retirements.append(Retirement(inst.cluster, inst.name, old, now))
+        self.retired_total += 1
         if old.rank == min(inst.ranks):
             inst.restarts += 1
             inst.restart_times_ns.append(now)
@@ -228,7 +231,7 @@ class Tracker:
         key = (leg.trace_id, leg.role)
         if leg.inc is not None:
             leg.inc.keys.discard(key)
-        leg.outcome, leg.end_ns, leg.stuck_at_ns, leg.closed_at_ns = outcome, end_ns, None, now
+        leg.outcome, leg.end_ns, leg.closed_at_ns = outcome, end_ns, now
         self._remember_closed(key, leg)
         if outcome is None:
             return
@@ -244,7 +247,10 @@ class Tracker:
             cluster.last_ok_ns = max(cluster.last_ok_ns, now)
             inst = self.instances.get((leg.cluster, leg.pd_instance))
             if inst is not None:
-                inst.ok_times_ns.append(now)
+                times = inst.ok_times_ns
+                while times and times[0] < now - self.recent_ns:
+                    times.popleft()  # kept for about the flow window: older ones count for nothing
+                times.append(now)
 
     def _leg_span(self, src: Source, inc: Incarnation, rec: LegRecord, now: int) -> None:
         """A leg ended: one per leg."""
@@ -333,9 +339,6 @@ class Tracker:
         inc.seq = hb.seq
         inc.last_heartbeat_ns = now
         inc.offsets.append(now - hb.end_ns)
-        if inc.down_since_ns:
-            inc.down_since_ns = 0  # back from the dead (a stopped process continued)
-            self.gone_peers.revive(src.cluster, inc)
         if hb.interval_s is not None:
             inc.interval_s = hb.interval_s
         self._loop(src, inc, hb.loop_iterations, now)
@@ -453,110 +456,43 @@ class Tracker:
                 self.evicted["vanished"] += 1
                 self._close(leg, None, hb_ns, hb_ns)
 
-    # ---- forgetting (the judge calls these) ----------------------------------
+    # ---- forgetting (the judge decides when) -----------------------------------
 
-    def expire_instances(self, now: int) -> int:
-        """Forget instances no rank of which sent anything for the TTL; returns how many.
+    def forget_instance(self, key: tuple[str, str], now: int) -> Instance | None:
+        """Forget an instance the judge found past its TTL, with its open legs and counts.
 
         An instance that was scaled away or renamed never sends the heartbeat
         that would end its legs: without this, its legs, counters and label
         sets would stay forever and its slot would count against the cap.
         """
-        cutoff = now - self.instance_ttl_ns
-        gone = [key for key, inst in self.instances.items()
-                if inst.ranks and max(inc.last_seen_ns for inc in inst.ranks.values()) < cutoff]
-        for key in gone:
-            inst = self.instances.pop(key)
-            for inc in inst.ranks.values():
-                for leg_key in list(inc.keys):
-                    leg = self.open.get(leg_key)
-                    if leg is not None and leg.inc is inc:
-                        del self.open[leg_key]
-                        self.evicted["instance_gone"] += 1
-                        self._close(leg, None, leg.stage_since_ns, now)
-                inc.keys.clear()
-            for counts in (self.finished, self.probes_finished):
-                for fkey in [k for k in counts if k[0] == inst.cluster and k[2] == inst.name]:
-                    del counts[fkey]
-            if not any(other.cluster == inst.cluster for other in self.instances.values()):
-                self.clusters.pop(inst.cluster, None)
-                self.gone_peers.forget_cluster(inst.cluster)
-                for skey in [k for k in self.stuck_detected if k[0] == inst.cluster]:
-                    del self.stuck_detected[skey]
-        self.instances_expired += len(gone)
-        return len(gone)
-
-    # ---- facts the judge reads ----------------------------------------------
-
-    @staticmethod
-    def rank_up(inc: Incarnation, now: int) -> bool:
-        return bool(inc.last_heartbeat_ns) and \
-            now - inc.last_heartbeat_ns <= c.DOWN_AFTER_INTERVALS * inc.interval_s * 1e9
-
-    def instance_up(self, inst: Instance, now: int) -> bool:
-        """Every rank heartbeated within 3 of its intervals (contract section 5)."""
-        return bool(inst.ranks) and all(self.rank_up(inc, now) for inc in inst.ranks.values())
-
-    @staticmethod
-    def loop_frozen_for(inc: Incarnation) -> float:
-        """Seconds the rank's loop counter was seen not to advance, up to its latest heartbeat."""
-        if inc.loop_iterations is None or not inc.loop_since_ns:
-            return 0.0
-        return (inc.loop_seen_ns - inc.loop_since_ns) / 1e9
-
-    @staticmethod
-    def loop_rule_s(inc: Incarnation, now: int) -> float:
-        """How long a loop may stand still with open legs before it is frozen (contract section 5b)."""
-        longest = max((s for at, s in inc.stalls if at >= now - LOOP_STALL_WINDOW_NS), default=0.0)
-        return max(c.LOOP_FROZEN_INTERVALS * inc.interval_s, c.LOOP_STALL_FACTOR * longest)
-
-    def frozen_ranks(self, inst: Instance, now: int) -> list[Incarnation]:
-        """Ranks that heartbeat while their loop stands still with the instance's legs open, past the rule."""
-        owner = inst.owner
-        if owner is None or not owner.busy_since_ns or not owner.open_total:
-            return []
-        out = []
+        inst = self.instances.pop(key, None)
+        if inst is None:
+            return None
         for inc in inst.ranks.values():
-            # A counter never seen to move says nothing: that engine does not count its loop.
-            if not self.rank_up(inc, now) or not inc.loop_moves:
-                continue
-            still = (inc.loop_seen_ns - max(inc.loop_since_ns, owner.busy_since_ns)) / 1e9
-            if still > self.loop_rule_s(inc, now):
-                out.append(inc)
-        return out
+            for leg_key in list(inc.keys):
+                leg = self.open.get(leg_key)
+                if leg is not None and leg.inc is inc:
+                    del self.open[leg_key]
+                    self.evicted["instance_gone"] += 1
+                    self._close(leg, None, leg.stage_since_ns, now)
+            inc.keys.clear()
+        for counts in (self.finished, self.probes_finished):
+            for fkey in [k for k in counts if k[0] == inst.cluster and k[2] == inst.name]:
+                del counts[fkey]
+        if not any(other.cluster == inst.cluster for other in self.instances.values()):
+            self.clusters.pop(inst.cluster, None)
+        self.instances_expired += 1
+        return inst
 
-    def idle_frozen_ranks(self, inst: Instance, now: int) -> list[Incarnation]:
-        """Ranks that heartbeat while their loop stands still with no legs open, past the idle rule.
 
-        pdwatch's addition beside contract section 5b, which judges a loop only while its instance has
-        legs open: a TP rank that hangs in a collective while idle never opens another leg, and its
-        peers' legs wait for it with nothing to tie them to it. A loop known to turn while idle
-        (turns_idle) that stops is frozen after max(2 heartbeats, 3 x its longest pause, busy or idle,
-        in the window). An engine that says how long its idle loop may stand still (idle_turn_s) is
-        judged without first watching it turn while idle, against 3 x that as well. It names the
-        instance (pdwatch_engine_loop_frozen, collective_desync), never a leg: the legs stay on the
-        threshold path."""
-        owner = inst.owner
-        if owner is None or owner.open_total != 0 or owner.busy_since_ns:
-            return []
-        out = []
-        for inc in inst.ranks.values():
-            # A counter never seen to move yet says nothing: the loop may not have started.
-            if not self.rank_up(inc, now) or not inc.loop_moves or not (inc.turns_idle or inc.idle_turn_s is not None):
-                continue
-            longest = max((s for at, s in (*inc.stalls, *inc.idle_stalls) if at >= now - LOOP_STALL_WINDOW_NS),
-                          default=0.0)
-            longest = max(longest, inc.idle_turn_s or 0.0)
-            rule = max(c.LOOP_FROZEN_INTERVALS * inc.interval_s, c.LOOP_STALL_FACTOR * longest)
-            if self.loop_frozen_for(inc) > rule:
-                out.append(inc)
-        return out
+class Limits(NamedTuple):
+    """How much the tracker keeps, from the sidecar's settings."""
 
-    def loop_stalled(self, inst: Instance, now: int) -> bool:
-        """A rank still heartbeats but its scheduler loop counter has not moved for 3 intervals."""
-        for inc in inst.ranks.values():
-            if inc.loop_iterations is None or not self.rank_up(inc, now):
-                continue
-            if now - inc.loop_since_ns > c.DOWN_AFTER_INTERVALS * inc.interval_s * 1e9:
-                return True
-        return False
+    max_open_legs: int
+    max_closed_legs: int
+    max_instances: int
+    recent_s: float  # how long recent ok finishes are kept per instance: the flow window
+
+    @classmethod
+    def of(cls, settings: Settings) -> Limits:
+        return cls(settings.max_open_legs, settings.max_closed_legs, settings.max_instances, settings.flow_window_s)

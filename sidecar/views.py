@@ -1,8 +1,8 @@
 """JSON shapes of the HTTP API (contract section 7).
 
-Every view but `request_detail` is built from the judge's latest immutable
-evaluation. `request_detail` reads one request's legs from the tracker; it runs
-on the tracker's own thread (the worker), and reads only.
+Every view is built from the judge's immutable values: the latest
+`Evaluation`, or for one request's detail the `RequestView` the judge made
+when asked. Nothing here sees the tracker or applies a rule of its own.
 """
 
 from __future__ import annotations
@@ -11,9 +11,7 @@ from typing import Any
 
 from pdwatch import contract as c
 
-from .evaluation import Evaluation, InstanceView, StuckLeg
-from .model import Leg, leg_age_s, stage_history
-from .tracker import Tracker
+from .evaluation import Evaluation, InstanceView, LegDetail, RequestView, StuckLeg
 
 
 def _s(ns: int | None) -> float | None:
@@ -48,34 +46,34 @@ def stuck_list(ev: Evaluation) -> list[dict[str, Any]]:
     return [stuck_leg(s, ev) for s in ev.stuck]
 
 
-def _leg(leg: Leg, stuck: dict[tuple[str, str], StuckLeg], now: int) -> dict[str, Any]:
+def _leg(leg: LegDetail) -> dict[str, Any]:
     out: dict[str, Any] = {
         "role": leg.role,
         "rid": leg.rid,
         "bootstrap_room": leg.room,
         "cluster": leg.cluster,
         "pd_instance": leg.pd_instance,
-        "incarnation": leg.inc.id if leg.inc is not None else None,
+        "incarnation": leg.incarnation,
         "peer": leg.peer,
         "span_id": leg.span_id,
-        "state": "open" if leg.outcome is None and leg.end_ns is None else "done",
+        "state": "open" if leg.open else "done",
         "outcome": leg.outcome,
         "arrived_unix_s": _s(leg.arrive_ns),
         "ended_unix_s": _s(leg.end_ns),
         "tokens": leg.tokens,
         "prompt_tokens": leg.prompt_tokens,
         "stages": [
-            {"stage": stage, "start_unix_s": _s(start), "end_unix_s": _s(end),
-             "duration_s": round((end - start) / 1e9, 6), "error": error}
-            for stage, start, end, error in stage_history(leg)
+            {"stage": run.stage, "start_unix_s": _s(run.start_ns), "end_unix_s": _s(run.end_ns),
+             "duration_s": round((run.end_ns - run.start_ns) / 1e9, 6), "error": run.error}
+            for run in leg.stages
         ],
     }
-    if out["state"] == "open":
+    if leg.open:
         out["stage"] = leg.stage
         out["stage_since_unix_s"] = _s(leg.stage_since_ns)
-        out["stage_age_s"] = round(leg_age_s(leg, now), 3)  # decode: since its last new token
+        out["stage_age_s"] = round(leg.age_s or 0.0, 3)  # decode: since its last new token
         out["error"] = leg.error
-        verdict = stuck.get((leg.trace_id, leg.role))
+        verdict = leg.stuck
         out["stuck"] = verdict is not None
         if verdict is not None:
             out["threshold_s"] = round(verdict.threshold_s, 3)
@@ -84,18 +82,11 @@ def _leg(leg: Leg, stuck: dict[tuple[str, str], StuckLeg], now: int) -> dict[str
     return out
 
 
-def request_detail(tracker: Tracker, ev: Evaluation, trace_id: str) -> dict[str, Any] | None:
-    """Both legs of one request; call on the tracker's thread."""
-    stuck = {(s.trace_id, s.role): s for s in ev.stuck if s.trace_id == trace_id}
-    now = tracker.clock()
-    legs = []
-    for role in c.ROLES:
-        leg = tracker.open.get((trace_id, role)) or tracker.closed.get((trace_id, role))
-        if leg is not None:
-            legs.append(_leg(leg, stuck, now))
-    if not legs:
+def request_detail(view: RequestView | None) -> dict[str, Any] | None:
+    """Both legs of one request, from the judge's `request_view`."""
+    if view is None:
         return None
-    return {"trace_id": trace_id, "legs": legs}
+    return {"trace_id": view.trace_id, "legs": [_leg(leg) for leg in view.legs]}
 
 
 def instance(inst: InstanceView) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from pdwatch import contract as c
 from pdwatch.sidecar import views
 from pdwatch.sidecar.tracker import _SEEN_SPANS_MAX, Tracker
 from tests.sidecar.conftest import T0, Engine, FakeClock, LiveSidecar
-from tests.support.tracking import evaluate
+from tests.support.tracking import evaluate, judge_of, new_tracker
 
 __all__ = ["T0", "Engine", "FakeClock", "LiveSidecar", "any_value", "resource_spans", "span", "check_invariants"]
 
@@ -104,7 +104,7 @@ def check_invariants(t: Tracker) -> None:
     for s in ev.stuck:
         assert s.age_s == s.age_s and s.threshold_s > 0  # not NaN
     docs = [views.stuck_list(ev), views.summary(ev), list(ev.diagnosis)]
-    docs += [views.request_detail(t, ev, tid) for tid, _ in list(t.open)[:50]]
+    docs += [views.request_detail(judge_of(t).request_view(tid)) for tid, _ in list(t.open)[:50]]
     for doc in docs:
         json.dumps(doc, allow_nan=False)  # what FastAPI's JSONResponse demands
 
@@ -116,7 +116,7 @@ def clock():
 
 @pytest.fixture
 def tracker(clock):
-    return Tracker(FLOORS, clock=clock)
+    return new_tracker(FLOORS, clock=clock)
 
 
 @pytest.fixture

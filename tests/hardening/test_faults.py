@@ -11,7 +11,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from pdwatch import contract as c
 from pdwatch.sidecar.tracker import Tracker
-from tests.support.tracking import evaluate, ingest
+from tests.support.tracking import evaluate, ingest, judge_of, new_tracker
 
 from .conftest import FLOORS, FakeClock, check_invariants
 
@@ -53,14 +53,14 @@ def facts(t: Tracker, now: int):
     open_legs = {k: (x.stage, x.stage_since_ns, x.rid, x.room) for k, x in t.open.items()}
     outcomes = {k: x.outcome for k, x in t.closed.items() if x.outcome is not None}
     stuck = {(s.trace_id, s.role): round(s.age_s, 6) for s in ev.stuck}
-    return open_legs, outcomes, stuck, dict(t.finished), dict(t.stuck_detected)
+    return open_legs, outcomes, stuck, dict(t.finished), dict(judge_of(t).stuck_detected)
 
 
 def test_out_of_order_duplicate_and_replayed_spans_change_nothing_twice(engines, clock):
     _, _, requests = incident(clock, engines)
     end = clock.now
     judge_at = end + 20 * 10**9
-    in_order = Tracker(FLOORS, clock=lambda: end)
+    in_order = new_tracker(FLOORS, clock=lambda: end)
     for req in requests:
         ingest(in_order, req)
     want = facts(in_order, judge_at)
@@ -79,7 +79,7 @@ def test_out_of_order_duplicate_and_replayed_spans_change_nothing_twice(engines,
                     r.scope_spans.add().spans.append(s)
                     singles.append(one)
     rng.shuffle(singles)
-    messy = Tracker(FLOORS, clock=lambda: end)
+    messy = new_tracker(FLOORS, clock=lambda: end)
     for i in range(0, len(singles), 5):
         batch = ExportTraceServiceRequest()
         for one in singles[i:i + 5]:
@@ -94,7 +94,7 @@ def test_out_of_order_duplicate_and_replayed_spans_change_nothing_twice(engines,
     # A detection is counted once however often the rule runs.
     for _ in range(3):
         evaluate(messy, judge_at + 10**9)
-    assert sum(messy.stuck_detected.values()) == len(want[2])
+    assert sum(judge_of(messy).stuck_detected.values()) == len(want[2])
 
 
 def test_a_heartbeat_that_arrives_late_does_not_undo_a_newer_one(engines, clock):
@@ -105,7 +105,7 @@ def test_a_heartbeat_that_arrives_late_does_not_undo_a_newer_one(engines, clock)
     p.rec.enter("p-1", "prefill")
     p.rec.enter("p-1", "transfer")
     newer = p.request(heartbeat=True)
-    t = Tracker(FLOORS, clock=clock)
+    t = new_tracker(FLOORS, clock=clock)
     ingest(t, newer)
     ingest(t, older)
     leg = t.open[(tid(1), "prefill")]
@@ -186,12 +186,12 @@ def test_after_a_restart_a_decode_leg_with_tokens_is_aged_from_its_last_token(en
     d = engines("decode", "decode-0")
     d.walk("d-1", 1, ("bootstrap", "transfer", "queued", "decode"))
     d.rec.token("d-1", 7)
-    first = Tracker(FLOORS, clock=clock)
+    first = new_tracker(FLOORS, clock=clock)
     ingest(first, d.request(heartbeat=True))
     clock.advance(40)  # no token for 40 s: past the decode floor of 30
     ingest(first, d.request(heartbeat=True))
     assert [(s.stage, round(s.age_s)) for s in evaluate(first).stuck] == [("decode", 40)]
-    second = Tracker(FLOORS, clock=clock)  # restarted: the inventory says when the last token came
+    second = new_tracker(FLOORS, clock=clock)  # restarted: the inventory says when the last token came
     ingest(second, d.request(heartbeat=True))
     assert [(s.stage, round(s.age_s)) for s in evaluate(second).stuck] == [("decode", 40)]
 
@@ -213,7 +213,7 @@ def test_without_last_token_times_a_decode_leg_is_found_one_floor_later_never_fa
     d.rec.token("d-1", 7)
     d.request(heartbeat=True)
     clock.advance(40)  # no token for 40 s: past the decode floor of 30
-    second = Tracker(FLOORS, clock=clock)  # restarted, and the engine sends only the contract's lists
+    second = new_tracker(FLOORS, clock=clock)  # restarted, and the engine sends only the contract's lists
     ingest(second, without(d.request(heartbeat=True), c.H_OPEN_LAST_TOKEN))
     assert evaluate(second).stuck == ()
     clock.advance(29)

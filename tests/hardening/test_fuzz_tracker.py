@@ -15,7 +15,7 @@ from pdwatch import contract as c
 from pdwatch.sidecar.model import stage_history
 from pdwatch.sidecar.otlp_body import PROTOBUF, parse_request
 from pdwatch.sidecar.tracker import Tracker
-from tests.support.tracking import ingest
+from tests.support.tracking import ingest, new_tracker
 
 from .conftest import FLOORS, FUZZ_EXAMPLES, T0, FakeClock, check_invariants, kvs, span
 
@@ -110,14 +110,14 @@ def snapshot(t: Tracker):
                 len(stage_history(x)), x.inc.id if x.inc else None) for k, x in t.open.items()}
     closed = {k: (x.outcome, x.end_ns, len(stage_history(x))) for k, x in t.closed.items()}
     ranks = {k: {r: (inc.id, inc.seq, tuple(inc.offsets)) for r, inc in i.ranks.items()} for k, i in t.instances.items()}
-    return legs, closed, ranks, dict(t.finished), {k: len(v) for k, v in t.thresholds._samples.items()}
+    return legs, closed, ranks, dict(t.finished), {k: len(v) for k, v in t.samples._samples.items()}
 
 
 @settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(batch=st.lists(requests(), min_size=1, max_size=3))
 def test_any_request_leaves_the_tracker_consistent_and_a_replay_changes_nothing(batch):
     clock = FakeClock()
-    tracker = Tracker(FLOORS, clock=clock, max_open_legs=6, max_closed_legs=4, max_instances=3)
+    tracker = new_tracker(FLOORS, clock=clock, max_open_legs=6, max_closed_legs=4, max_instances=3)
     for req in batch:
         parsed = parse_request(req.SerializeToString(), PROTOBUF)
         rejected, messages = ingest(tracker, parsed)

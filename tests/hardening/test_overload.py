@@ -98,7 +98,7 @@ def test_guard_refuses_in_order_busy_then_memory():
 def test_caps_on_open_legs_instances_and_label_sets_hold_and_are_counted(live_sidecar, clock):
     sc = live_sidecar(clock=clock, max_open_legs=50, max_instances=3)
     t = sc.sidecar.tracker
-    t.thresholds.max_keys = sc.sidecar.durations.max_label_sets = 1  # one (cluster, role, stage) series each
+    t.samples.max_keys = t.durations.max_label_sets = 1  # one (cluster, role, stage) series each
     with httpx.Client(base_url=sc.url) as http:
         inv = [(f"{i + 1:032x}", "queued", clock.now) for i in range(80)]
         body = resource_spans(source(), [heartbeat(1, clock.now, inv)]).SerializeToString()

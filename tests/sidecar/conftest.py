@@ -14,7 +14,7 @@ from pdwatch.engine_patches.recorder import Recorder, RecorderConfig
 from pdwatch.sidecar.tracker import Tracker
 from pdwatch.testbed.processes import free_port
 from tests.support.otlp_spans import one_request
-from tests.support.tracking import ingest
+from tests.support.tracking import ingest, new_tracker
 
 T0 = 1_800_000_000_000_000_000
 
@@ -67,7 +67,7 @@ def clock():
 
 @pytest.fixture
 def tracker(clock):
-    return Tracker({"bootstrap": 30, "queued": 60, "prefill": 60, "transfer": 15, "decode": 30}, clock=clock)
+    return new_tracker({"bootstrap": 30, "queued": 60, "prefill": 60, "transfer": 15, "decode": 30}, clock=clock)
 
 
 @pytest.fixture

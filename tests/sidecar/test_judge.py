@@ -22,13 +22,13 @@ def test_reads_of_every_kind_change_nothing_and_emit_nothing(live_sidecar, engin
         clock.advance(20)  # past the transfer floor: stuck, but only the judge may say so
         sc.judge_now()
         assert wait_for(lambda: [s for _, s in rcv.spans() if s.name == c.SPAN_STUCK])  # the judge's one pd.stuck
-        tracker, fwd = sc.sidecar.tracker, sc.sidecar.forwarder
+        tracker, judge, fwd = sc.sidecar.tracker, sc.sidecar.judge, sc.sidecar.forwarder
 
         def state():
             return sc.read(lambda: (
-                sc.sidecar.latest(), dict(tracker.stuck_detected), tracker.spans_received, tracker.duplicates,
+                sc.sidecar.latest(), dict(judge.stuck_detected), tracker.spans_received, tracker.duplicates,
                 len(tracker.open), len(tracker.closed), fwd.queue_depth, dict(fwd.spans),
-                [(leg.stuck_at_ns, leg.ever_stuck, leg.evidence) for leg in tracker.open.values()]))
+                [(v.stuck_at_ns, v.ever_stuck, v.evidence) for v in judge.verdicts.values()]))
 
         before = state()
         posts_before = len(rcv.posts)

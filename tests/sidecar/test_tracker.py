@@ -5,8 +5,9 @@ from __future__ import annotations
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from pdwatch import contract as c
+from pdwatch.sidecar import rules
 from pdwatch.sidecar.spans import decode
-from tests.support.tracking import evaluate, ingest
+from tests.support.tracking import evaluate, ingest, judge_of, new_tracker
 
 PREFILL_TO_TRANSFER = ("bootstrap", "queued", "prefill", "transfer")
 DECODE_TO_TRANSFER = ("bootstrap", "transfer")
@@ -30,10 +31,10 @@ def test_a_leg_is_stuck_only_past_its_stage_floor(tracker, engines, clock):
     assert stuck_keys(tracker) == {(tid(1), "prefill", "transfer")}
     (s,) = evaluate(tracker).stuck
     assert s.threshold_s == 15 and 15 < s.age_s < 15.2
-    assert tracker.stuck_detected == {("default", "prefill", "transfer"): 1}
+    assert judge_of(tracker).stuck_detected == {("default", "prefill", "transfer"): 1}
     clock.advance(10)
     evaluate(tracker)
-    assert tracker.stuck_detected == {("default", "prefill", "transfer"): 1}  # each leg once
+    assert judge_of(tracker).stuck_detected == {("default", "prefill", "transfer"): 1}  # each leg once
 
 
 def test_both_legs_of_a_request_join_under_one_trace_id(tracker, engines, clock):
@@ -80,7 +81,7 @@ def test_threshold_adapts_to_three_times_the_p99(tracker, engines, clock):
         clock.advance(10)
         p.rec.finish(f"p-{i}")
     p.send(tracker)
-    assert tracker.thresholds.threshold(("default", "prefill", "transfer"), clock.now) == 30
+    assert judge_of(tracker).thresholds.threshold(("default", "prefill", "transfer"), clock.now) == 30
     p.walk("p-x", 10_000, PREFILL_TO_TRANSFER)
     p.send(tracker)
     clock.advance(20)  # past the 15 s floor, well within 3 x p99
@@ -96,9 +97,9 @@ def test_old_samples_leave_the_window(tracker, engines, clock):
     p.rec.finish("p-1")
     p.send(tracker)
     key = ("default", "prefill", "transfer")
-    assert tracker.thresholds.threshold(key, clock.now) == 300
+    assert judge_of(tracker).thresholds.threshold(key, clock.now) == 300
     clock.advance(601)
-    assert tracker.thresholds.threshold(key, clock.now) == 15
+    assert judge_of(tracker).thresholds.threshold(key, clock.now) == 15
 
 
 def test_duplicate_and_replayed_spans_change_nothing_twice(tracker, engines, clock):
@@ -113,7 +114,7 @@ def test_duplicate_and_replayed_spans_change_nothing_twice(tracker, engines, clo
     assert tracker.heartbeats_received == 1
     assert tracker.duplicates == 6  # 4 stage spans, 1 leg span, 1 heartbeat
     key = ("default", "prefill", "transfer")
-    assert len(tracker.thresholds._samples[key]) == 1
+    assert len(tracker.samples._samples[key]) == 1
 
 
 def test_a_stale_heartbeat_does_not_resurrect_a_finished_leg(tracker, engines, clock):
@@ -215,18 +216,17 @@ def test_instance_down_after_three_silent_intervals_and_loop_stall(tracker, engi
     d.send(tracker)
     (inst,) = tracker.instances.values()
     clock.advance(2.9)
-    assert tracker.instance_up(inst, clock.now)
+    assert rules.instance_up(inst, clock.now)
     d.send(tracker)  # heartbeats go on, the loop counter does not move
     clock.advance(0.2)
-    assert tracker.loop_stalled(inst, clock.now)
+    assert rules.loop_stalled(inst, clock.now)
     clock.advance(3.1)
-    assert not tracker.instance_up(inst, clock.now)
+    assert not rules.instance_up(inst, clock.now)
 
 
 def test_open_legs_are_bounded_and_eviction_is_counted(clock, engines):
-    from pdwatch.sidecar.tracker import Tracker
 
-    tracker = Tracker(clock=clock, max_open_legs=3)
+    tracker = new_tracker(clock=clock, max_open_legs=3)
     d = engines("decode", "decode-0")
     for i in range(5):
         d.walk(f"d-{i}", i, DECODE_TO_TRANSFER)
