@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.ui.support
 
 import httpx
 
-from tests.sidecar.conftest import FakeClock
+from tests.support.sidecar import FakeClock
 from tests.ui.support import chrome, feed_stuck_legs, start_sidecar, wait_rendered
 
 GOAL_RATIO = 2.0

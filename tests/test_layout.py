@@ -84,3 +84,117 @@ def test_every_package_folder_is_mapped_into_the_namespace():
     assert on_disk <= listed, f"packages missing from pyproject.toml: {sorted(on_disk - listed)}"
     assert {p.split(".")[1] if "." in p else "pdwatch" for p in listed} <= set(ALLOWED) | {"pdwatch"}
     assert set(mapped.values()) == set(ALLOWED), "each layer folder is mapped once"
+
+
+# ---- inside the sidecar: the rooms of ../shared/DESIGN.md --------------------------------------
+
+# Module (relative to sidecar/) -> room. Every module of the sidecar is in one room; a new module
+# picks its room here, and the table below says what it may import.
+SIDECAR_ROOMS = {
+    # Parts that belong to no one data flow: settings, the GPU sampler and its join, stores with
+    # their own locks, the classifier's inputs.
+    "base": {"settings", "auth", "worker", "overload", "capture", "gpu.sampler", "gpu.join",
+             "diagnosis.facts", "diagnosis", "gpu"},  # the last two: empty package files
+    # The one writer and the facts it keeps.
+    "facts": {"tracker", "model", "samples", "durations", "spans", "otlp_body"},
+    # What the judge publishes: immutable values.
+    "values": {"evaluation"},
+    # The judge, its rules and its own tables (history: the samples it keeps for the live page).
+    "judge": {"judge", "rules", "thresholds", "verdicts", "contrast", "history", "diagnosis.classify",
+              "diagnosis.from_evaluation"},
+    # Readers: they see values, never facts or rules.
+    "readers": {"metrics", "views", "forward", "ui", "diagnosis.collector", "gpu.collector",
+                "diagnosis.from_prometheus"},
+    # Wiring, the HTTP surface (ingest and reads) and the process's main.
+    "top": {"service", "server", "app", "__main__"},
+}
+ROOM_MAY_IMPORT = {
+    "base": {"base"},
+    "facts": {"base", "facts", "values"},
+    "values": {"base", "values"},
+    "judge": {"base", "facts", "values", "judge"},
+    "readers": {"base", "values", "readers"},
+    "top": set(SIDECAR_ROOMS),
+}
+
+
+def sidecar_module(path: Path) -> str:
+    rel = path.relative_to(ROOT / "sidecar").with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def room_of(module: str) -> str | None:
+    for room, modules in SIDECAR_ROOMS.items():
+        if module in modules:
+            return room
+    return None
+
+
+def sidecar_imports(path: Path) -> set[str]:
+    """The sidecar modules a file imports, relative or absolute, as names relative to sidecar/."""
+    here = sidecar_module(path).split(".") if sidecar_module(path) else []
+    package = here if path.name == "__init__.py" else here[:-1]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level:
+            base = package[: len(package) - (node.level - 1)] if node.level > 1 else package
+            mod = [*base, *(node.module.split(".") if node.module else [])]
+        elif node.module and node.module.startswith("pdwatch.sidecar"):
+            mod = node.module.split(".")[2:]
+        else:
+            continue
+        for alias in node.names:  # `from . import rules` names a module, `from .x import y` a member
+            full = ".".join([*mod, alias.name])
+            out.add(full if room_of(full) and (ROOT / "sidecar" / Path(*full.split("."))).with_suffix(".py").exists()
+                    else ".".join(mod))
+    return {m for m in out if m}
+
+
+def test_every_sidecar_module_has_a_room():
+    homeless = [sidecar_module(p) for p in sorted((ROOT / "sidecar").rglob("*.py"))
+                if sidecar_module(p) and room_of(sidecar_module(p)) is None]
+    assert not homeless, f"put these in SIDECAR_ROOMS: {homeless}"
+
+
+def test_the_sidecar_rooms_import_only_down_the_data_flow():
+    wrong = []
+    for path in sorted((ROOT / "sidecar").rglob("*.py")):
+        me = room_of(sidecar_module(path)) if sidecar_module(path) else "top"
+        for module in sidecar_imports(path):
+            room = room_of(module)
+            if room is not None and room not in ROOM_MAY_IMPORT[me or "top"]:
+                wrong.append(f"{path.relative_to(ROOT)} ({me}) imports {module} ({room})")
+    assert not wrong, "\n".join(wrong)
+
+
+# ---- benches and tests -------------------------------------------------------------------------
+
+
+def _imports(path: Path) -> list[str]:
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.append(node.module)
+        elif isinstance(node, ast.Import):
+            names.extend(a.name for a in node.names)
+    return names
+
+
+def test_benches_use_the_tests_support_code_only_and_tests_never_import_benches():
+    """Shared test parts live in tests/support/ (or a folder's support.py); a test or a conftest is no library."""
+    wrong = []
+    for path in sorted((ROOT / "bench").glob("*.py")):
+        for name in _imports(path):
+            parts = name.split(".")
+            if parts[0] == "tests" and not (parts[1:2] == ["support"] or parts[-1] == "support"):
+                wrong.append(f"{path.relative_to(ROOT)} imports {name}")
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        wrong.extend(f"{path.relative_to(ROOT)} imports {name}" for name in _imports(path)
+                     if name.split(".")[0] == "bench")
+    for path in sorted((ROOT / "tests" / "support").glob("*.py")):
+        wrong.extend(f"{path.relative_to(ROOT)} imports {name}" for name in _imports(path)
+                     if name.startswith("tests.") and not name.startswith("tests.support"))
+    assert not wrong, "\n".join(wrong)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .facts import ClusterFacts, Finding, GpuFacts, InstanceFacts
+from .facts import REPORT_AT, ClusterFacts, Finding, GpuFacts, InstanceFacts
 
 BUSY_UTILIZATION = 0.90  # a collective spinning on the GPU
 IDLE_UTILIZATION = 0.10
@@ -20,7 +20,6 @@ IDLE_UTILIZATION = 0.10
 IDLE_POWER_SHARE = 0.35
 # A role restarted this much later than every peer of the other role is "alone".
 RESTART_SKEW_S = 5.0
-REPORT_AT = 0.5  # findings at or above this confidence are "suspected"
 
 ACTIONS = {
     "transfer_wedge": "inspect the KV transfer peers (prefill's bootstrap/peer table, NIXL agents); "

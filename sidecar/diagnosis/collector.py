@@ -9,7 +9,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from pdwatch import contract as c
 
 from ..evaluation import Evaluation
-from .classify import REPORT_AT
+from .facts import REPORT_AT
 
 
 class DiagnosisCollector:

@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# Findings at or above this confidence are "suspected": the diagnosis names them and
+# pdwatch_suspected_failure is 1 for them (here, so readers need not import the classifier).
+REPORT_AT = 0.5
+
 
 @dataclass
 class GpuFacts:

@@ -17,7 +17,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from pdwatch import contract as c
 from pdwatch.sidecar import views
 from pdwatch.sidecar.tracker import _SEEN_SPANS_MAX, Tracker
-from tests.sidecar.conftest import T0, Engine, FakeClock, LiveSidecar
+from tests.support.sidecar import T0, Engine, FakeClock, LiveSidecar
 from tests.support.tracking import evaluate, judge_of, new_tracker
 
 __all__ = ["T0", "Engine", "FakeClock", "LiveSidecar", "any_value", "resource_spans", "span", "check_invariants"]

@@ -28,7 +28,7 @@ import pytest
 from packaging.specifiers import SpecifierSet
 
 from pdwatch.testbed.processes import free_port
-from tests.sidecar.conftest import Engine, FakeClock
+from tests.support.sidecar import Engine, FakeClock
 from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.packaging]

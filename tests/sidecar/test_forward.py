@@ -15,10 +15,9 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Status
 
 from pdwatch import contract as c
 from pdwatch.sidecar.forward import SERVICE_NAME, retry_after_s, traces_url
+from pdwatch.testbed.processes import free_port
 from tests.support.otlp_receiver import OtlpReceiver
 from tests.support.waiting import wait_for
-
-from .conftest import free_port
 
 PROTOBUF = {"Content-Type": "application/x-protobuf"}
 FAST = {"backoff_s": 0.02, "max_backoff_s": 0.1, "max_attempts": 3, "timeout_s": 2}
@@ -146,7 +145,7 @@ def test_a_leg_that_becomes_stuck_sends_one_pd_stuck_span(live_sidecar, receiver
 
 def test_a_stuck_leg_whose_span_id_is_unknown_gets_a_root_pd_stuck(live_sidecar, receiver, clock):
     """Only stage spans, no heartbeat: the tracker knows the leg span from the stages' parent anyway."""
-    from .conftest import Engine
+    from tests.support.sidecar import Engine
 
     rcv = receiver()
     sc = live_sidecar(clock=clock, floor_queued_s=5, forward_otlp_endpoint=rcv.url, forward_options=FAST)

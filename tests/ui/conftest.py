@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.sidecar.conftest import FakeClock
+from tests.support.sidecar import FakeClock
 from tests.ui.support import ARTIFACTS, CHROMEDRIVER, CHROMIUM, UUIDS, Incident, chrome, start_sidecar, stub_library
 
 SIMULATED_S = 90

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 
 from pdwatch.sidecar.settings import Settings
-from tests.sidecar.conftest import Engine, FakeClock, LiveSidecar
+from tests.support.sidecar import Engine, FakeClock, LiveSidecar
 
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "build" / "test-artifacts"

@@ -15,7 +15,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import WebDriverWait
 
-from tests.sidecar.conftest import FakeClock
+from tests.support.sidecar import FakeClock
 from tests.ui.conftest import console_errors, screenshot
 from tests.ui.support import feed_stuck_legs, start_sidecar, wait_rendered
 

@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 
 from pdwatch.report import main, parse_time, write_report
-from tests.sidecar.conftest import FakeClock
+from tests.support.sidecar import FakeClock
 from tests.ui.support import Incident, start_sidecar, stub_library
 
 TRACE_URL = "https://traces.example/trace/{trace_id}"

@@ -11,7 +11,7 @@ from pdwatch.sidecar.gpu.collector import GpuCollector
 from pdwatch.sidecar.gpu.join import parse_gpu_map
 from pdwatch.sidecar.judge import Judge
 from pdwatch.sidecar.tracker import Tracker
-from tests.sidecar.conftest import Engine, FakeClock
+from tests.support.sidecar import Engine, FakeClock
 from tests.support.tracking import ingest
 
 from .conftest import UUIDS
