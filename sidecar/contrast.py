@@ -90,21 +90,24 @@ def _candidates(stuck: list[LegFacts], flowing: list[LegFacts],
         yield ("peer_process", "ended", lambda leg: leg.peer_ended,
                f"talk to a process of {', '.join(ended)} that has since ended (an agent from before a restart)")
     for name, at in sorted(restarts.items()):
-        yield ("arrived", f"after {name} restarted",
-               _bound(lambda leg, t: leg.arrived_s is not None and leg.arrived_s >= t, at),
-               f"arrived after {name}'s latest restart")
-        yield ("arrived", f"before {name} restarted",
-               _bound(lambda leg, t: leg.arrived_s is not None and leg.arrived_s < t, at),
-               f"arrived before {name}'s latest restart")
+        yield from _both_sides("arrived", lambda leg: leg.arrived_s, at,
+                               (f"after {name} restarted", f"arrived after {name}'s latest restart"),
+                               (f"before {name} restarted", f"arrived before {name}'s latest restart"))
     if any(leg.error for leg in stuck):
         yield "engine_error", "recorded", (lambda leg: leg.error), "carry an error their engine recorded"
     for cut in _prompt_cuts(stuck, flowing):
-        yield ("prompt_tokens", f">= {cut}",
-               _bound(lambda leg, t: leg.prompt_tokens is not None and leg.prompt_tokens >= t, cut),
-               f"have prompts of {cut} tokens or more")
-        yield ("prompt_tokens", f"< {cut}",
-               _bound(lambda leg, t: leg.prompt_tokens is not None and leg.prompt_tokens < t, cut),
-               f"have prompts under {cut} tokens")
+        yield from _both_sides("prompt_tokens", lambda leg: leg.prompt_tokens, cut,
+                               (f">= {cut}", f"have prompts of {cut} tokens or more"),
+                               (f"< {cut}", f"have prompts under {cut} tokens"))
+
+
+def _both_sides(attribute: str, value: Callable[[LegFacts], float | None], cut: float, at_or_above: tuple[str, str],
+                below: tuple[str, str]) -> Iterable[tuple[str, str, Predicate, str]]:
+    """A cut on a number, as two candidates: the legs at or above it, and those below (neither: unknown)."""
+    def side(above: bool) -> Predicate:
+        return lambda leg: (v := value(leg)) is not None and (v >= cut) == above
+    yield attribute, at_or_above[0], side(True), at_or_above[1]
+    yield attribute, below[0], side(False), below[1]
 
 
 def _prompt_cuts(stuck: list[LegFacts], flowing: list[LegFacts], n: int = 20) -> list[int]:

@@ -145,7 +145,7 @@ class Judge:
         """Instances silent past the TTL are forgotten: the tracker drops its facts, the judge its verdicts."""
         t = self.tracker
         for key in [k for k, inst in t.instances.items() if rules.expired(inst, now, self.instance_ttl_ns)]:
-            inst = t.forget_instance(key, now)
+            inst = t.forget_instance(key)
             if inst is None:
                 continue
             for inc in inst.ranks.values():

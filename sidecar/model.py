@@ -31,11 +31,9 @@ LOOP_STALL_WINDOW_NS = int(c.LOOP_STALL_WINDOW_S * 1e9)
 
 
 @dataclass(slots=True, eq=False)
-class Incarnation:
-    """One engine process: a `service.instance.id` under a stable `pd.instance`."""
+class Process:
+    """What an engine process says of itself in its resource (contract section 3), beyond its names."""
 
-    id: str
-    rank: int
     tp_size: int
     start_ns: int
     pid: int | None
@@ -43,6 +41,14 @@ class Incarnation:
     gpu_uuids: tuple[str, ...]
     service: str
     version: str
+
+
+@dataclass(slots=True, eq=False)
+class Incarnation(Process):
+    """One engine process: a `service.instance.id` under a stable `pd.instance`."""
+
+    id: str
+    rank: int
     first_seen_ns: int  # sidecar clock
     peer_ids: tuple[str, ...] = ()
     last_seen_ns: int = 0  # any span

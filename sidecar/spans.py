@@ -22,6 +22,8 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
 from pdwatch import contract as c
 
+from .model import Process
+
 # Every reason a span may be rejected for; a closed set keeps the label bounded.
 REASONS = (
     "unknown_span",  # a pd.* name that is not the contract's
@@ -50,7 +52,7 @@ class Rejection(Exception):
 
 
 @dataclass(slots=True)
-class Source:
+class Source(Process):
     """Who sent a batch of spans: one engine process (resource attributes, contract section 3)."""
 
     cluster: str
@@ -58,13 +60,6 @@ class Source:
     role: str
     incarnation: str  # service.instance.id
     tp_rank: int
-    tp_size: int
-    start_ns: int
-    pid: int | None
-    host: str
-    gpu_uuids: tuple[str, ...]
-    service: str
-    version: str
     peer_ids: tuple[str, ...] = ()
 
 

@@ -458,7 +458,7 @@ class Tracker:
 
     # ---- forgetting (the judge decides when) -----------------------------------
 
-    def forget_instance(self, key: tuple[str, str], now: int) -> Instance | None:
+    def forget_instance(self, key: tuple[str, str]) -> Instance | None:
         """Forget an instance the judge found past its TTL, with its open legs and counts.
 
         An instance that was scaled away or renamed never sends the heartbeat
@@ -468,6 +468,7 @@ class Tracker:
         inst = self.instances.pop(key, None)
         if inst is None:
             return None
+        now = self.clock()
         for inc in inst.ranks.values():
             for leg_key in list(inc.keys):
                 leg = self.open.get(leg_key)
