@@ -7,9 +7,9 @@ that a requirement added to pyproject.toml is in the lock: these tests do, witho
 from __future__ import annotations
 
 import importlib.metadata
-import tomllib
 from pathlib import Path
 
+import tomllib
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
