@@ -25,7 +25,7 @@ the recorder's share is an upper bound. Sampling without stopping the
 process also reads a torn stack now and then: a wrapper's calling line is a
 hint (one still named pop_transferred's line after it was no longer hooked).
 
-Needs py-spy (requirements-capture.txt) and the right to ptrace the servers
+Needs py-spy (the capture extra; make installs it) and the right to ptrace the servers
 (same user; root, or kernel.yama.ptrace_scope 0).
 
     python bench/sglang_live_profile.py [--seconds 30] [--rate 250] [--max-tokens 16]
@@ -127,7 +127,7 @@ def main() -> int:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
     spy = shutil.which("py-spy", path=os.pathsep.join((str(Path(sys.executable).parent), os.environ.get("PATH", ""))))
     if spy is None:
-        ap.error("py-spy is not installed (pip install -r requirements-capture.txt)")
+        ap.error("py-spy is not installed (pip install 'pdwatch[capture]', or make, which installs requirements.lock)")
 
     rng = random.Random(5)
     with SidecarProcess(env={"PDWATCH_NVML": "off", "PDWATCH_LOG_LEVEL": "warning"}) as sidecar, \

@@ -27,7 +27,7 @@ POLL_S = 0.5
 def _missing() -> str | None:
     for module in ("sglang", "sglang_router", "nixl"):
         if importlib.util.find_spec(module) is None:
-            return f"{module} is not installed (make test installs requirements-sglang.txt)"
+            return f"{module} is not installed (make test installs it: the sglang and testbed extras, in requirements.lock)"
     return None
 
 

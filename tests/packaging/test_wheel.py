@@ -35,6 +35,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.packaging]
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / "build" / "packaging"
+LOCK = ROOT / "requirements.lock"  # every extra pinned together (`make lock`)
 PB = {"Content-Type": "application/x-protobuf"}
 
 
@@ -58,15 +59,9 @@ def dist() -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="module")
-def constraints(tmp_path_factory) -> Path:
-    """Every pin of the repository, as pip constraints: what resolves is what the tests ran with."""
-    pins = []
-    for req in sorted(ROOT.glob("requirements*.txt")):
-        pins += [line.split("#")[0].strip() for line in req.read_text().splitlines()
-                 if "==" in line and not line.lstrip().startswith("#")]
-    path = tmp_path_factory.mktemp("pins") / "constraints.txt"
-    path.write_text("\n".join(sorted(set(pins))) + "\n")
-    return path
+def constraints() -> Path:
+    """The repository's lock, as pip constraints: what resolves is what the tests ran with."""
+    return LOCK
 
 
 @pytest.fixture(scope="module")
@@ -154,9 +149,9 @@ def test_the_sidecar_extra_brings_what_pdwatch_serve_imports(venv, dist, constra
 
 
 def test_sglangs_load_plugins_finds_the_plugin_in_the_installed_wheel(venv, dist, tmp_path):
-    # SGLang's pinned wheel and what it imports, as the repository pins them (no resolution: sglang's own
-    # dependency list pulls CUDA builds); then SGLang's loader in a fresh process.
-    pip(venv, "--no-deps", "-r", ROOT / "requirements-sglang.txt")
+    # SGLang's pinned wheel and what it imports, as `make` installs the lock (--no-deps, no resolution:
+    # sglang's own dependency list pulls CUDA builds); then SGLang's loader in a fresh process.
+    pip(venv, "--no-deps", "-r", LOCK)
     code = (
         "import json, sys, types\n"
         "for name in ('torchvision._meta_registrations', 'torchvision._autograd_registrations'):\n"

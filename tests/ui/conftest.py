@@ -51,7 +51,7 @@ def browser():
     try:
         import selenium  # noqa: F401
     except ImportError:
-        missing.append("selenium (requirements-ui-tests.txt)")
+        missing.append("selenium (the ui-tests extra, in requirements.lock)")
     if missing:
         pytest.fail(f"browser tests need {', '.join(missing)}: `make test` installs them (mk/browser.mk)")
     driver = chrome()

@@ -23,7 +23,7 @@ for _name in ("torchvision._meta_registrations", "torchvision._autograd_registra
 @pytest.fixture(scope="session")
 def sglang_plugin():
     """SGLang imported, pdwatch loaded by `load_plugins()` and its hooks applied."""
-    pytest.importorskip("sglang", reason="make test installs requirements-sglang.txt")
+    pytest.importorskip("sglang", reason="make test installs it (the sglang extra, in requirements.lock)")
     import os
 
     # The modules the hooks patch, imported once for the whole session.
