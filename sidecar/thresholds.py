@@ -1,9 +1,11 @@
 """Per-stage stuck thresholds that adapt to what the cluster normally does.
 
-threshold(cluster, role, stage) = max(floor(stage), 3 x p99 of that stage's
-durations in the cluster over the last 10 minutes or 1,000 samples, whichever
-is fewer) -- contract section 5. The floor keeps a quiet cluster from paging on
-noise; the p99 term keeps a slow-but-healthy cluster from paging at all.
+threshold(cluster, role, stage) = max(floor(stage), P99_FACTOR x p99 of that
+stage's durations in the cluster over the last THRESHOLD_WINDOW_S or
+THRESHOLD_SAMPLES samples, whichever is fewer) -- contract section 5, whose
+module fixes the three (3, 10 minutes, 1,000). The floor keeps a quiet cluster
+from paging on noise; the p99 term keeps a slow-but-healthy cluster from paging
+at all.
 """
 
 from __future__ import annotations
@@ -12,15 +14,14 @@ import math
 from collections import deque
 from itertools import repeat
 
-StageKey = tuple[str, str, str]  # (cluster, role, stage)
+from pdwatch import contract as c
 
-WINDOW_S = 600.0
-MAX_SAMPLES = 1000
-P99_FACTOR = 3.0
+StageKey = tuple[str, str, str]  # (cluster, role, stage)
 
 
 class StageThresholds:
-    def __init__(self, floors: dict[str, float], *, window_s: float = WINDOW_S, max_samples: int = MAX_SAMPLES,
+    def __init__(self, floors: dict[str, float], *, window_s: float = c.THRESHOLD_WINDOW_S,
+                 max_samples: int = c.THRESHOLD_SAMPLES,
                  max_keys: int = 4096):
         self.floors = dict(floors)
         self.window_ns = int(window_s * 1e9)
@@ -65,7 +66,7 @@ class StageThresholds:
     def threshold(self, key: StageKey, now_ns: int) -> float:
         floor = self.floors[key[2]]
         p99 = self.p99(key, now_ns)
-        return floor if p99 is None else max(floor, P99_FACTOR * p99)
+        return floor if p99 is None else max(floor, c.P99_FACTOR * p99)
 
     def keys(self) -> list[StageKey]:
         return list(self._samples)
