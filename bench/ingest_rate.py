@@ -28,6 +28,7 @@ import time
 import httpx
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
+from pdwatch import contract as c
 from pdwatch.engine_patches.otlp_http import MemoryTransport
 from pdwatch.engine_patches.recorder import Recorder, RecorderConfig
 from pdwatch.testbed.sidecar_process import SidecarProcess
@@ -114,7 +115,7 @@ def _post_all(url: str, bodies: list[bytes]) -> None:
 
 def sidecar_rate(bodies: list[bytes], spans_total: int, connections: int) -> tuple[float, dict]:
     """spans/s into one fresh sidecar from `connections` clients sending their share of the bodies."""
-    with SidecarProcess(env={"PDWATCH_LOG_LEVEL": "warning"}) as sc:
+    with SidecarProcess(env={c.ENV_LOG_LEVEL: "warning"}) as sc:
         _post_all(sc.url, bodies[:1])  # warm-up: connection set-up and first-request costs
         senders = [threading.Thread(target=_post_all, args=(sc.url, bodies[i::connections]))
                    for i in range(connections)]
@@ -128,7 +129,7 @@ def sidecar_rate(bodies: list[bytes], spans_total: int, connections: int) -> tup
         deadline = time.monotonic() + 5.0
         while True:
             seen = _counters(httpx.get(sc.url + "/metrics", timeout=30).text)
-            if seen.get("pdwatch_spans_received_total", 0) >= spans_total or time.monotonic() > deadline:
+            if seen.get(c.SPANS_RECEIVED.series, 0) >= spans_total or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
     return spans_total / elapsed, seen
@@ -137,7 +138,7 @@ def sidecar_rate(bodies: list[bytes], spans_total: int, connections: int) -> tup
 def _counters(metrics: str) -> dict[str, float]:
     seen = {}
     for line in metrics.splitlines():
-        for name in ("pdwatch_spans_received_total", "pdwatch_spans_duplicate_total", "pdwatch_ingest_errors_total"):
+        for name in (c.SPANS_RECEIVED.series, c.SPANS_DUPLICATE.series, c.INGEST_ERRORS.series):
             if line.startswith(name + " "):
                 seen[name] = float(line.split()[1])
     return seen
@@ -170,10 +171,10 @@ def main() -> None:
     print(f"sidecar:  POST /v1/traces, 1 connection            {one:10.0f} spans/s   ({one / bare:.2f}x baseline)")
     print(f"sidecar:  POST /v1/traces, {args.connections} connections{' ' * (11 - len(str(args.connections)))}"
           f"{many:10.0f} spans/s   ({many / bare:.2f}x baseline)")
-    print(f"sidecar counted {seen.get('pdwatch_spans_received_total', 0):.0f} spans received "
+    print(f"sidecar counted {seen.get(c.SPANS_RECEIVED.series, 0):.0f} spans received "
           f"(sent {spans_total} plus {warm} in the warm-up), "
-          f"{seen.get('pdwatch_spans_duplicate_total', 0):.0f} duplicates, "
-          f"{seen.get('pdwatch_ingest_errors_total', 0):.0f} ingest errors")
+          f"{seen.get(c.SPANS_DUPLICATE.series, 0):.0f} duplicates, "
+          f"{seen.get(c.INGEST_ERRORS.series, 0):.0f} ingest errors")
     verdict = {True: "met", False: "NOT met"}
     print(f"goals (>= 0.5x baseline): one connection {verdict[one / bare >= 0.5]}, "
           f"{args.connections} connections {verdict[many / bare >= 0.5]}")
