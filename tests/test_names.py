@@ -16,9 +16,9 @@ import pytest
 from pdwatch import contract as c
 
 ROOT = Path(__file__).resolve().parent.parent
-# Product code, layer by layer, beside the contract; pdwatch/ holds the CLI (its other entries are
-# links to the layer folders, scanned once under their own names).
-SCANNED = ("engine_patches", "sidecar", "alerts", "dashboards", "testbed", "pdwatch", "bench")
+# Product code beside the contract: the layers, the benches and deploy/'s generator. pdwatch/ holds
+# the CLI; its other entries are links to the layer folders, scanned once under their own names.
+SCANNED = ("engine_patches", "sidecar", "alerts", "dashboards", "testbed", "pdwatch", "bench", "deploy")
 LAYERS = {"contract", "engine_patches", "sidecar", "alerts", "dashboards", "testbed"}
 
 # Files another part of issue 31 is rewriting right now; each is scanned again once it lands.
