@@ -252,10 +252,9 @@ class Metric:
 
     def sample(self, part: str) -> str:
         """A histogram's bucket, sum or count series."""
-        name = f"{self.name}_{part}"
-        if name not in self.series_names or self.type != "histogram":
+        if self.type != "histogram" or part not in ("bucket", "sum", "count"):
             raise ValueError(f"{self.name} has no {part} series")
-        return name
+        return f"{self.name}_{part}"
 
     def by(self, *labels: str) -> str:
         """The label list of a PromQL `by (...)` over this metric; a label it does not carry raises,
