@@ -32,42 +32,74 @@ RUNBOOK_DIR = "docs/runbooks"
 DEFAULT_RUNBOOK_BASE = "https://pdwatch.example/"
 
 # Alert names, contract section 9.
-STUCK_WHILE_OTHERS_FLOW = c.ALERT_STUCK_WHILE_OTHERS_FLOW
-TOTAL_WEDGE = c.ALERT_TOTAL_WEDGE
-TRANSFER_WEDGE = c.ALERT_TRANSFER_WEDGE
-BOOTSTRAP_WEDGE = c.ALERT_BOOTSTRAP_WEDGE
-COLLECTIVE_DESYNC = c.ALERT_COLLECTIVE_DESYNC
-QUEUE_STARVATION = c.ALERT_QUEUE_STARVATION
-RESTART_SKEW = c.ALERT_RESTART_SKEW
-ENGINE_SILENT = c.ALERT_ENGINE_SILENT
-TELEMETRY_MISSING = c.ALERT_TELEMETRY_MISSING
 ALERT_NAMES = c.ALERT_NAMES
+
+# Every metric and label below is the contract's object or constant: `Metric.by` and `_sel` raise on a
+# label the metric does not carry, so a misspelt name fails here instead of in a silent rule.
+CLUSTER, ROLE, STAGE, INSTANCE, FAMILY = c.L_CLUSTER, c.L_ROLE, c.L_STAGE, c.L_INSTANCE, c.L_FAMILY
+TARGET = (c.L_JOB, c.L_TARGET)  # the sidecar as Prometheus scrapes it
 
 # "Others flowed recently": the sidecar's flag (some leg finished ok within its
 # 60 s window) seen at least once in this range. The range smooths a cluster
 # whose completions are sparse, so the headline does not reset its `for` each
 # time a quiet minute passes; a total wedge is its exact complement.
 FLOW_RANGE = "2m"
-FLOWED = f"max by (cluster) (max_over_time({c.CLUSTER_FLOWING.name}[{FLOW_RANGE}])) == 1"
-LEG_KEY = "cluster, role, stage, pd_instance"
-STUCK_BY_LEG_KEY = f"max by ({LEG_KEY}) ({c.STUCK.name})"
+FLOWED = f"max by ({c.CLUSTER_FLOWING.by(CLUSTER)}) (max_over_time({c.CLUSTER_FLOWING.series}[{FLOW_RANGE}])) == 1"
+STUCK_BY_LEG_KEY = f"max by ({c.STUCK.by(*c.LEG_GROUP)}) ({c.STUCK.series})"
 # The headline has two paths under one name and label set. Legs stuck on evidence (contract
 # section 5b) are proof already: they page after HEADLINE_FOR. Legs stuck past their
 # threshold must stay so for a minute first, as ever: HOLD of samples all above zero, then
 # HEADLINE_FOR; HOLD + HEADLINE_FOR = 1m, so that path pages when it always did.
 HEADLINE_FOR = "5s"
 HOLD = "55s"
-EVIDENCE_BY_LEG_KEY = f"max by ({LEG_KEY}) ({c.STUCK_EVIDENCE.name})"
-HELD_BY_LEG_KEY = f"max by ({LEG_KEY}) (min_over_time({c.STUCK.name}[{HOLD}]))"
+EVIDENCE_BY_LEG_KEY = f"max by ({c.STUCK_EVIDENCE.by(*c.LEG_GROUP)}) ({c.STUCK_EVIDENCE.series})"
+HELD_BY_LEG_KEY = f"max by ({c.STUCK.by(*c.LEG_GROUP)}) (min_over_time({c.STUCK.series}[{HOLD}]))"
 
 
-# Collective desync, two paths likewise: a loop frozen past the loop rule (pdwatch_engine_loop_frozen:
+def _suspected(family: str) -> str:
+    if family not in c.FAMILIES:
+        raise ValueError(f"{family!r} is not a failure family of contract section 8")
+    return f'{c.SUSPECTED_FAILURE.series}{{{FAMILY}="{family}"}}'
+
+
+# Collective desync, two paths likewise: a loop frozen past the loop rule (the loop-frozen gauge:
 # with legs open, contract section 5b; or idle, a loop known to turn while idle) is proof and pages
 # after HEADLINE_FOR; a suspicion on a stalled loop alone must hold for HOLD first, 1m in all as before.
-DESYNC = 'pdwatch_suspected_failure{family="collective_desync"}'
-DESYNC_EXPR = (f"(\n  max by (cluster, family) ({DESYNC}) == 1\n  and on (cluster)\n"
-               "  max by (cluster) (pdwatch_engine_loop_frozen) == 1\n)\nor\n"
-               f"  max by (cluster, family) (min_over_time({DESYNC}[{HOLD}])) == 1")
+DESYNC = _suspected("collective_desync")
+SUSPECTED_BY = c.SUSPECTED_FAILURE.by(CLUSTER, FAMILY)
+DESYNC_EXPR = (f"(\n  max by ({SUSPECTED_BY}) ({DESYNC}) == 1\n  and on ({CLUSTER})\n"
+               f"  max by ({c.LOOP_FROZEN.by(CLUSTER)}) ({c.LOOP_FROZEN.series}) == 1\n)\nor\n"
+               f"  max by ({SUSPECTED_BY}) (min_over_time({DESYNC}[{HOLD}])) == 1")
+
+
+@dataclass(frozen=True)
+class Sel:
+    """A selector for a Go-template query: `label=%q` per label filled from the alert's own labels
+    (`args`), then fixed `label="value"` matchers."""
+
+    text: str
+    args: tuple[str, ...]
+
+
+def _sel(metric: c.Metric, *matched: str, **fixed: str) -> Sel:
+    metric.by(*matched, *fixed)  # every label must be the metric's (or the scrape target's)
+    matchers = [f"{label}=%q" for label in matched] + [f'{label}="{value}"' for label, value in fixed.items()]
+    return Sel(f"{metric.series}{{{','.join(matchers)}}}", tuple(f"$labels.{label}" for label in matched))
+
+
+def _in(template: str, *sels: Sel) -> tuple[str, ...]:
+    """A query template with each `{}` filled by a selector, then the selectors' arguments."""
+    return (template.format(*(s.text for s in sels)), *(arg for s in sels for arg in s.args))
+
+
+def _show(label: str) -> str:
+    """Template text for one of the alert's own label values."""
+    return f"{{{{ $labels.{label} }}}}"
+
+
+def _item(label: str) -> str:
+    """Template text for a label value of one series a `_list` query returned."""
+    return f"{{{{ .Labels.{label} }}}}"
 
 
 def _q(template_query: str, *args: str) -> str:
@@ -87,6 +119,10 @@ def _count(template_query: str, *args: str) -> str:
 def _list(template_query: str, *args: str, item: str) -> str:
     """Template text listing one `item` per series of a query, or "none"."""
     return (f"{{{{ range {_q(template_query, *args)} }}}}{item} {{{{ else }}}}none {{{{ end }}}}")
+
+
+def _sum(s: Sel) -> str:
+    return _count(*_in("sum({})", s))
 
 
 @dataclass(frozen=True)
@@ -109,7 +145,7 @@ class Group:
 def _family(name: str, family: str, severity: str, summary: str, description: str) -> Alert:
     return Alert(
         name=name,
-        expr=f'max by (cluster, family) (pdwatch_suspected_failure{{family="{family}"}}) == 1',
+        expr=f"max by ({SUSPECTED_BY}) ({_suspected(family)}) == 1",
         for_="1m",
         severity=severity,
         summary=summary,
@@ -118,163 +154,160 @@ def _family(name: str, family: str, severity: str, summary: str, description: st
 
 
 def _stuck_in(stage: str) -> str:
-    return _count(f'sum(pdwatch_stuck_requests{{cluster=%q,stage="{stage}"}})', "$labels.cluster")
+    return _sum(_sel(c.STUCK, CLUSTER, stage=stage))
+
 
 
 GROUPS = (
     Group("pdwatch.requests", (
         Alert(
-            name=STUCK_WHILE_OTHERS_FLOW,
+            name=c.ALERT_STUCK_WHILE_OTHERS_FLOW,
             expr=(f"(\n  {EVIDENCE_BY_LEG_KEY} > 0\nor\n  {HELD_BY_LEG_KEY} > 0\n)\n"
-                  f"and on (cluster)\n{FLOWED}"),
+                  f"and on ({CLUSTER})\n{FLOWED}"),
             for_=HEADLINE_FOR,
             severity="critical",
             summary="PD request legs are stuck while other requests keep finishing.",
             description=(
-                _count("sum(pdwatch_stuck_requests{cluster=%q,role=%q,stage=%q,pd_instance=%q})",
-                       "$labels.cluster", "$labels.role", "$labels.stage", "$labels.pd_instance")
-                + " {{ $labels.role }} leg(s) on {{ $labels.pd_instance }} (cluster {{ $labels.cluster }}) are "
-                "stuck in stage {{ $labels.stage }} while other requests of the cluster keep finishing; "
-                + _count("sum(pdwatch_stuck_evidence_requests{cluster=%q,role=%q,stage=%q,pd_instance=%q})",
-                         "$labels.cluster", "$labels.role", "$labels.stage", "$labels.pd_instance")
+                _sum(_sel(c.STUCK, CLUSTER, ROLE, STAGE, INSTANCE))
+                + f" {_show(ROLE)} leg(s) on {_show(INSTANCE)} (cluster {_show(CLUSTER)}) are "
+                f"stuck in stage {_show(STAGE)} while other requests of the cluster keep finishing; "
+                + _sum(_sel(c.STUCK_EVIDENCE, CLUSTER, ROLE, STAGE, INSTANCE))
                 + " of them on evidence that they cannot progress"
                 + ", the rest past the stuck threshold of "
-                + _scalar("max(pdwatch_stuck_threshold_seconds{cluster=%q,role=%q,stage=%q})",
-                          "$labels.cluster", "$labels.role", "$labels.stage")
+                + _scalar(*_in("max({})", _sel(c.THRESHOLD, CLUSTER, ROLE, STAGE)))
                 + ". The oldest has been there "
-                + _scalar("max(pdwatch_oldest_stage_age_seconds{cluster=%q,role=%q,stage=%q,pd_instance=%q})",
-                          "$labels.cluster", "$labels.role", "$labels.stage", "$labels.pd_instance")
+                + _scalar(*_in("max({})", _sel(c.OLDEST_AGE, CLUSTER, ROLE, STAGE, INSTANCE)))
                 + ". What sets the cluster's stuck legs apart from those that flow: "
-                + _list('topk(3, pdwatch_stuck_contrast_ratio{cluster=%q,legs="stuck"})', "$labels.cluster",
-                        item="{{ .Labels.attribute }} {{ .Labels.value }} ({{ . | value | humanizePercentage }} of them)")
+                + _list(*_in("topk(3, {})", _sel(c.STUCK_CONTRAST, CLUSTER, legs="stuck")),
+                        item=f"{_item(c.L_ATTRIBUTE)} {_item(c.L_VALUE)} "
+                             "({{ . | value | humanizePercentage }} of them)")
                 + "(pdwatch diagnose shows the flowing legs' share). Their trace ids and reasons are in "
-                "pdwatch_stuck_request_info and the sidecar's /api/v1/stuck."
+                f"{c.STUCK_INFO.name} and the sidecar's {c.PATH_STUCK}."
             ),
         ),
         Alert(
-            name=TOTAL_WEDGE,
-            expr=(f"sum by (cluster) ({STUCK_BY_LEG_KEY}) > 0\n"
-                  f"unless on (cluster)\n{FLOWED}"),
+            name=c.ALERT_TOTAL_WEDGE,
+            expr=(f"sum by ({c.STUCK.by(CLUSTER)}) ({STUCK_BY_LEG_KEY}) > 0\n"
+                  f"unless on ({CLUSTER})\n{FLOWED}"),
             for_="2m",
             severity="critical",
             summary="A PD cluster has stuck legs and no request finishes at all.",
             description=(
-                "{{ $value }} leg(s) are stuck in cluster {{ $labels.cluster }} and no leg of the cluster "
-                f"finished ok in the last {FLOW_RANGE} plus the sidecar's 60 s flow window. Legs in flight: "
-                + _count("sum(pdwatch_inflight_requests{cluster=%q})", "$labels.cluster")
+                f"{{{{ $value }}}} leg(s) are stuck in cluster {_show(CLUSTER)} and no leg of the cluster "
+                f"finished ok in the last {FLOW_RANGE} plus the sidecar's {c.DEFAULT_FLOW_WINDOW_S:g} s flow "
+                "window. Legs in flight: "
+                + _sum(_sel(c.INFLIGHT, CLUSTER))
                 + ". Instances down: "
-                + _list("max by (pd_instance) (pdwatch_instance_up{cluster=%q}) == 0", "$labels.cluster",
-                        item="{{ .Labels.pd_instance }}")
+                + _list(*_in(f"max by ({c.INSTANCE_UP.by(INSTANCE)}) ({{}}) == 0", _sel(c.INSTANCE_UP, CLUSTER)),
+                        item=_item(INSTANCE))
                 + "(the sidecar's diagnosis says which family the wedge resembles)."
             ),
         ),
     )),
     Group("pdwatch.diagnosis", (
         _family(
-            TRANSFER_WEDGE, "transfer_wedge", "warning",
+            c.ALERT_TRANSFER_WEDGE, "transfer_wedge", "warning",
             "The sidecar suspects a KV transfer wedge in a PD cluster.",
-            "pdwatch diagnoses transfer_wedge in cluster {{ $labels.cluster }}: "
+            f"pdwatch diagnoses transfer_wedge in cluster {_show(CLUSTER)}: "
             + _stuck_in("transfer")
             + " leg(s) stuck in transfer while others flow and the engines' loops advance."
             " Inspect the KV transfer peers; with a recent lone restart, co-restart the PD pair.",
         ),
         _family(
-            BOOTSTRAP_WEDGE, "bootstrap_wedge", "warning",
+            c.ALERT_BOOTSTRAP_WEDGE, "bootstrap_wedge", "warning",
             "The sidecar suspects a bootstrap wedge in a PD cluster.",
-            "pdwatch diagnoses bootstrap_wedge in cluster {{ $labels.cluster }}: "
+            f"pdwatch diagnoses bootstrap_wedge in cluster {_show(CLUSTER)}: "
             + _stuck_in("bootstrap")
             + " leg(s) stuck in bootstrap while others flow."
             " Inspect the bootstrap server and peers; with a recent lone restart, co-restart the PD pair.",
         ),
         replace(_family(
-            COLLECTIVE_DESYNC, "collective_desync", "critical",
+            c.ALERT_COLLECTIVE_DESYNC, "collective_desync", "critical",
             "The sidecar suspects a collective desync: an engine loop frozen while it heartbeats.",
-            "pdwatch diagnoses collective_desync in cluster {{ $labels.cluster }}. Instances whose engine "
+            f"pdwatch diagnoses collective_desync in cluster {_show(CLUSTER)}. Instances whose engine "
             "loop stands still while they heartbeat: "
-            + _list("max by (pd_instance) (pdwatch_engine_loop_stalled{cluster=%q} == 1 "
-                    "or pdwatch_engine_loop_frozen{cluster=%q} == 1)", "$labels.cluster", "$labels.cluster",
-                    item="{{ .Labels.pd_instance }}")
+            + _list(*_in(f"max by ({c.LOOP_STALLED.by(INSTANCE)}) ({{}} == 1 or {{}} == 1)",
+                         _sel(c.LOOP_STALLED, CLUSTER), _sel(c.LOOP_FROZEN, CLUSTER)), item=_item(INSTANCE))
             + "(GPUs at >= 90 % utilization confirm a collective hang; the sidecar's diagnosis says what "
             "they read). Dump stacks, check the collective library, restart the TP group.",
         ), expr=DESYNC_EXPR, for_=HEADLINE_FOR),
         _family(
-            QUEUE_STARVATION, "queue_starvation", "warning",
+            c.ALERT_QUEUE_STARVATION, "queue_starvation", "warning",
             "Legs starve in a queue while the same instance serves others.",
-            "pdwatch diagnoses queue_starvation in cluster {{ $labels.cluster }}: "
+            f"pdwatch diagnoses queue_starvation in cluster {_show(CLUSTER)}: "
             + _stuck_in("queued")
             + " leg(s) stuck in queued and "
-            + _count('sum(pdwatch_stuck_requests{cluster=%q,role="decode",stage="bootstrap"})', "$labels.cluster")
+            + _sum(_sel(c.STUCK, CLUSTER, role="decode", stage="bootstrap"))
             + " decode leg(s) stuck in bootstrap (KV memory). Check capacity and KV memory.",
         ),
         _family(
-            RESTART_SKEW, "restart_skew", "warning",
+            c.ALERT_RESTART_SKEW, "restart_skew", "warning",
             "One PD role restarted alone and transfer or bootstrap trouble followed.",
-            "pdwatch diagnoses restart_skew in cluster {{ $labels.cluster }}. Restarted in the last hour: "
-            + _list("changes(pdwatch_instance_start_time_seconds{cluster=%q}[1h]) > 0", "$labels.cluster",
-                    item="{{ .Labels.pd_instance }} ({{ .Labels.role }})")
+            f"pdwatch diagnoses restart_skew in cluster {_show(CLUSTER)}. Restarted in the last hour: "
+            + _list(*_in("changes({}[1h]) > 0", _sel(c.INSTANCE_START, CLUSTER)),
+                    item=f"{_item(INSTANCE)} ({_item(ROLE)})")
             + "- co-restart the PD pair so that both sides start with clean bootstrap state.",
         ),
     )),
     Group("pdwatch.health", (
         Alert(
-            name=ENGINE_SILENT,
-            expr="max by (cluster, role, pd_instance) (pdwatch_instance_up) == 0",
+            name=c.ALERT_ENGINE_SILENT,
+            expr=f"max by ({c.INSTANCE_UP.by(*c.INSTANCE_KEY)}) ({c.INSTANCE_UP.series}) == 0",
             for_="1m",
             severity="critical",
             summary="A PD engine instance stopped sending heartbeats.",
             description=(
-                "No heartbeat from {{ $labels.role }} instance {{ $labels.pd_instance }} (cluster "
-                "{{ $labels.cluster }}) for "
-                + _scalar("max(pdwatch_instance_heartbeat_age_seconds{cluster=%q,pd_instance=%q})",
-                          "$labels.cluster", "$labels.pd_instance")
+                f"No heartbeat from {_show(ROLE)} instance {_show(INSTANCE)} (cluster "
+                f"{_show(CLUSTER)}) for "
+                + _scalar(*_in("max({})", _sel(c.HEARTBEAT_AGE, CLUSTER, INSTANCE)))
                 + "; its process is dead or frozen. Legs open on it: "
-                + _count("sum(pdwatch_inflight_requests{cluster=%q,pd_instance=%q})",
-                         "$labels.cluster", "$labels.pd_instance")
+                + _sum(_sel(c.INFLIGHT, CLUSTER, INSTANCE))
                 + "."
             ),
         ),
         Alert(
-            name=TELEMETRY_MISSING,
-            expr="absent(pdwatch_spans_received_total)",
+            name=c.ALERT_TELEMETRY_MISSING,
+            expr=f"absent({c.SPANS_RECEIVED.series})",
             for_="5m",
             severity="warning",
             summary="Prometheus has no pdwatch metrics: the sidecar is down or not scraped.",
             description=(
-                "No series pdwatch_spans_received_total for 5 minutes among the "
+                f"No series {c.SPANS_RECEIVED.series} for 5 minutes among the "
                 + _count("count(up)")
                 + " targets Prometheus scrapes: the pdwatch sidecar is not running or Prometheus does not "
                 "scrape it, so no stuck request can be seen."
             ),
-            extra_labels={"reason": "sidecar_absent"},
+            extra_labels={c.L_REASON: "sidecar_absent"},
         ),
         Alert(
-            name=TELEMETRY_MISSING,
-            expr="sum by (job, instance) (rate(pdwatch_spans_received_total[5m])) == 0",
+            name=c.ALERT_TELEMETRY_MISSING,
+            expr=f"sum by ({c.SPANS_RECEIVED.by(*TARGET)}) (rate({c.SPANS_RECEIVED.series}[5m])) == 0",
             for_="5m",
             severity="warning",
             summary="The pdwatch sidecar receives no spans: no engine reports to it.",
             description=(
-                "The sidecar {{ $labels.instance }} received no span for 5 minutes although every engine "
+                f"The sidecar {_show(c.L_TARGET)} received no span for 5 minutes although every engine "
                 "heartbeats every few seconds: the engines' OTLP endpoint or the recorder is broken. "
                 "Spans rejected in that time: "
-                + _count("sum(increase(pdwatch_spans_rejected_total{instance=%q}[5m]))", "$labels.instance")
+                + _count(*_in("sum(increase({}[5m]))", _sel(c.SPANS_REJECTED, c.L_TARGET)))
                 + "."
             ),
-            extra_labels={"reason": "no_spans"},
+            extra_labels={c.L_REASON: "no_spans"},
         ),
         Alert(
-            name=TELEMETRY_MISSING,
-            expr=("max by (job, instance) (pdwatch_gpu_telemetry_up) == 0\n"
-                  "and max by (job, instance) (max_over_time(pdwatch_gpu_telemetry_up[1h])) == 1"),
+            name=c.ALERT_TELEMETRY_MISSING,
+            expr=(f"max by ({c.GPU_TELEMETRY_UP.by(*TARGET)}) ({c.GPU_TELEMETRY_UP.series}) == 0\n"
+                  f"and max by ({c.GPU_TELEMETRY_UP.by(*TARGET)}) "
+                  f"(max_over_time({c.GPU_TELEMETRY_UP.series}[1h])) == 1"),
             for_="5m",
             severity="warning",
             summary="The pdwatch sidecar lost its GPU telemetry.",
             description=(
-                "GPU telemetry on the sidecar {{ $labels.instance }} worked within the last hour and is down "
+                f"GPU telemetry on the sidecar {_show(c.L_TARGET)} worked within the last hour and is down "
                 "now: the diagnosis loses its GPU evidence (utilization and power that tell a transfer wedge "
                 "from a collective desync)."
             ),
-            extra_labels={"reason": "gpu_telemetry_lost"},
+            extra_labels={c.L_REASON: "gpu_telemetry_lost"},
         ),
     )),
 )
@@ -316,7 +349,7 @@ def render(base: str = DEFAULT_RUNBOOK_BASE) -> str:
             out += _block("expr", rule.expr, "        ")
             out.append(f"        for: {rule.for_}")
             out.append("        labels:")
-            for key, value in {"severity": rule.severity, **rule.extra_labels}.items():
+            for key, value in {c.L_SEVERITY: rule.severity, **rule.extra_labels}.items():
                 out.append(f"          {key}: {_str(value)}")
             out.append("        annotations:")
             out.append(f"          summary: {_str(rule.summary)}")

@@ -82,7 +82,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5, help="runs per side, alternating; the median is reported")
     args = ap.parse_args()
     logging.getLogger("opentelemetry").setLevel(logging.CRITICAL)
-    with SidecarProcess(env={"PDWATCH_NVML": "off", "PDWATCH_LOG_LEVEL": "warning"}) as sidecar:
+    with SidecarProcess(env={c.ENV_NVML: "off", c.ENV_LOG_LEVEL: "warning"}) as sidecar:
         rec = Recorder(config(sidecar.url, "bench-pdwatch"), environ={})
         # The baseline's resource: the recorder's own attributes, so both send the same bytes' worth.
         res = {kv.key: getattr(kv.value, kv.value.WhichOneof("value")) for kv in rec.export.resource.attributes

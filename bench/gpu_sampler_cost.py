@@ -22,6 +22,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, generate_latest
 
+from pdwatch import contract as c
 from pdwatch.sidecar.gpu.collector import GpuCollector
 from pdwatch.sidecar.gpu.join import parse_gpu_map
 from pdwatch.sidecar.gpu.sampler import GpuSampler
@@ -43,7 +44,7 @@ def per_call(fn, n: int) -> float:
 
 def loop_rate(seconds: float) -> float:
     # A stand-in for ingest: parse-and-build work that holds the GIL.
-    doc = json.dumps({"spans": [{"name": "pd.transfer", "attrs": list(range(20))}] * 20})
+    doc = json.dumps({"spans": [{"name": c.stage_span_name("transfer"), "attrs": list(range(20))}] * 20})
     n, end = 0, time.perf_counter() + seconds
     while time.perf_counter() < end:
         json.loads(doc)

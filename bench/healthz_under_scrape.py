@@ -22,6 +22,7 @@ import time
 
 import httpx
 
+from pdwatch import contract as c
 from pdwatch.engine_patches.otlp_http import MemoryTransport
 from pdwatch.engine_patches.recorder import Recorder, RecorderConfig
 from pdwatch.testbed.sidecar_process import SidecarProcess
@@ -75,7 +76,7 @@ def main() -> int:
     ap.add_argument("--legs", type=int, default=100_000)
     ap.add_argument("--probes", type=int, default=400, help="/healthz requests per phase")
     args = ap.parse_args()
-    env = {"PDWATCH_NVML": "off", "PDWATCH_LOG_LEVEL": "warning"}
+    env = {c.ENV_NVML: "off", c.ENV_LOG_LEVEL: "warning"}
     with SidecarProcess(env=env) as empty:
         probe(empty.url, 20)
         base = probe(empty.url, args.probes)
@@ -115,7 +116,7 @@ def main() -> int:
             scraper.join(10)
             beats.join(10)
             tick = [line for line in client.get("/metrics").text.splitlines()
-                    if line.startswith("pdwatch_judge_tick_seconds ")]
+                    if line.startswith(c.JUDGE_TICK_SECONDS.series + " ")]
     for rec, _ in made:
         rec.shutdown(timeout_s=1)
     print(f"sidecar held {held} open legs; the judge's tick over them took {tick[0].split()[1][:6]} s")

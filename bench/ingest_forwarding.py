@@ -88,19 +88,22 @@ class Receiver:
         self.proc.wait(10)
 
 
+WATCHED = {m.series for m in (*c.FORWARD_METRICS, c.SPANS_RECEIVED)}
+
+
 def metrics(client: httpx.Client) -> dict:
     out = {}
     for fam in text_string_to_metric_families(client.get("/metrics").text):
         for s in fam.samples:
-            if s.name.startswith("pdwatch_forward_") or s.name == "pdwatch_spans_received_total":
+            if s.name in WATCHED:
                 out[(s.name, tuple(sorted(s.labels.items())))] = s.value
     return out
 
 
 def one_round(bodies: list[bytes], spans_total: int, forward_to: str | None) -> tuple[float, dict]:
-    env = {"PDWATCH_LOG_LEVEL": "warning", "PDWATCH_NVML": "off"}
+    env = {c.ENV_LOG_LEVEL: "warning", c.ENV_NVML: "off"}
     if forward_to:
-        env["PDWATCH_FORWARD_OTLP_ENDPOINT"] = forward_to
+        env[c.ENV_FORWARD] = forward_to
     with SidecarProcess(env=env) as sc:
         headers = {"Content-Type": "application/x-protobuf"}
         with httpx.Client(base_url=sc.url, timeout=30) as client:
@@ -111,7 +114,7 @@ def one_round(bodies: list[bytes], spans_total: int, forward_to: str | None) -> 
             elapsed = time.perf_counter() - t
             seen = metrics(client)
             deadline = time.monotonic() + 30  # let the forwarder drain before the sidecar stops
-            while forward_to and time.monotonic() < deadline and seen.get(("pdwatch_forward_queue_depth", ())):
+            while forward_to and time.monotonic() < deadline and seen.get((c.FORWARD_QUEUE_DEPTH.series, ())):
                 time.sleep(0.1)
                 seen = metrics(client)
     return spans_total / elapsed, seen
@@ -143,11 +146,11 @@ def main() -> None:
     for rcv in receivers:
         rcv.close()
     fwd = {dict(k[1]).get("result") + "/" + dict(k[1]).get("kind"): v for k, v in last_on.items()
-           if k[0] == "pdwatch_forward_spans_total"}
+           if k[0] == c.FORWARD_SPANS.series}
     sent = fwd.get("sent/lifecycle", 0)
     print(f"last 'on' round: receiver got {life} lifecycle spans and {beats} heartbeats; sidecar counted "
           f"sent {sent:.0f}, dropped {fwd.get('dropped/lifecycle', 0):.0f}, failed {fwd.get('failed/lifecycle', 0):.0f}, "
-          f"{last_on.get(('pdwatch_forward_requests_total', ()), 0):.0f} POSTs")
+          f"{last_on.get((c.FORWARD_REQUESTS.series, ()), 0):.0f} POSTs")
     print(f"goal (on >= 0.8x off): {'met' if on_best / off_best >= 0.8 else 'NOT met'}")
 
 

@@ -33,14 +33,15 @@ import time
 import httpx
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
+from pdwatch import contract as c
 from pdwatch.engine_patches.otlp_http import MemoryTransport
 from pdwatch.engine_patches.recorder import Recorder, RecorderConfig
 from pdwatch.testbed.sidecar_process import SidecarProcess
 
 PREFILL = ("bootstrap", "queued", "prefill", "transfer")
 EVALUATE_S = 0.05  # the judge's tick in this bench: how late it can see the last span applied
-RECEIVED = "pdwatch_spans_received_total"
-EVALUATED_AT = "pdwatch_evaluation_timestamp_seconds"
+RECEIVED = c.SPANS_RECEIVED.series
+EVALUATED_AT = c.EVALUATION_TIMESTAMP.series
 
 
 def build_bodies(n_requests: int, per_request: int) -> tuple[list[bytes], int]:
@@ -123,7 +124,7 @@ def _post_all(url: str, bodies: list[bytes]) -> None:
 def sidecar_rate(bodies: list[bytes], spans_total: int, connections: int) -> tuple[float, float, dict]:
     """(spans applied/s, spans answered/s) into one fresh sidecar from `connections` clients sending their
     share of the bodies, and its counters at the end."""
-    env = {"PDWATCH_LOG_LEVEL": "warning", "PDWATCH_EVALUATE_INTERVAL_S": str(EVALUATE_S)}
+    env = {c.ENV_LOG_LEVEL: "warning", c.ENV_EVALUATE_INTERVAL: str(EVALUATE_S)}
     with SidecarProcess(env=env) as sc:
         _post_all(sc.url, bodies[:1])  # warm-up: connection set-up and first-request costs
         warm = _counters(httpx.get(sc.url + "/metrics", timeout=30).text)
@@ -153,7 +154,7 @@ def sidecar_rate(bodies: list[bytes], spans_total: int, connections: int) -> tup
 def _counters(metrics: str) -> dict[str, float]:
     seen = {}
     for line in metrics.splitlines():
-        for name in (RECEIVED, EVALUATED_AT, "pdwatch_spans_duplicate_total", "pdwatch_ingest_errors_total"):
+        for name in (RECEIVED, EVALUATED_AT, c.SPANS_DUPLICATE.series, c.INGEST_ERRORS.series):
             if line.startswith(name + " "):
                 seen[name] = float(line.split()[1])
     return seen
@@ -191,8 +192,8 @@ def main() -> None:
           f" {many_acked / bare:.2f}x)")
     print(f"sidecar counted {seen.get(RECEIVED, 0):.0f} spans received "
           f"(sent {spans_total} plus {warm} in the warm-up), "
-          f"{seen.get('pdwatch_spans_duplicate_total', 0):.0f} duplicates, "
-          f"{seen.get('pdwatch_ingest_errors_total', 0):.0f} ingest errors")
+          f"{seen.get(c.SPANS_DUPLICATE.series, 0):.0f} duplicates, "
+          f"{seen.get(c.INGEST_ERRORS.series, 0):.0f} ingest errors")
     verdict = {True: "met", False: "NOT met"}
     print(f"goals (>= 0.5x baseline): one connection {verdict[one / bare >= 0.5]}, "
           f"{args.connections} connections {verdict[many / bare >= 0.5]}")

@@ -19,6 +19,7 @@ import time
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
+from pdwatch import contract as c
 from pdwatch.engine_patches.recorder import Recorder, RecorderConfig
 from pdwatch.testbed.processes import free_port
 
@@ -78,7 +79,7 @@ def main() -> None:
     tracer = provider.get_tracer("bench")
 
     def direct_span(i, _start=tracer.start_span):
-        _start("pd.decode").end()
+        _start(c.stage_span_name("decode")).end()
 
     bare_ns = per_call_ns(bare, args.n, args.repeat)
     rec_ns = per_call_ns(recorded, args.n, args.repeat)

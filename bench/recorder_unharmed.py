@@ -31,6 +31,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from pdwatch import contract as c
 from pdwatch.engine_patches.recorder import Recorder, RecorderConfig
 from pdwatch.testbed.sidecar_process import SidecarProcess, free_port
 
@@ -98,12 +99,12 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5, help="runs per condition; the median is reported")
     args = ap.parse_args()
     logging.getLogger("opentelemetry").setLevel(logging.CRITICAL)
-    env = {"PDWATCH_NVML": "off", "PDWATCH_LOG_LEVEL": "warning"}
+    env = {c.ENV_NVML: "off", c.ENV_LOG_LEVEL: "warning"}
     slow_port = free_port()
     slow = subprocess.Popen([sys.executable, "-c", SLOW_SERVER, str(slow_port)], stdin=subprocess.DEVNULL)
     results = []
     try:
-        with SidecarProcess(env=env) as healthy, SidecarProcess(env={**env, "PDWATCH_MAX_RSS_BYTES": "1"}) as refusing:
+        with SidecarProcess(env=env) as healthy, SidecarProcess(env={**env, c.ENV_MAX_RSS: "1"}) as refusing:
             time.sleep(0.5)
             for name, endpoint in (("healthy", healthy.url), ("down", f"http://127.0.0.1:{free_port()}"),
                                    ("slow", f"http://127.0.0.1:{slow_port}"), ("refusing", refusing.url)):
@@ -125,7 +126,7 @@ def main() -> None:
               f"{r['dropped']:>11} {r['spans_dropped']:>13} {r['export_failed_spans']:>13}")
     print(f"bounds: buffer {BUFFER_MAX}, export queue {EXPORT_QUEUE}; healthy sidecar tracked "
           f"{accepted['tracked_legs']} open legs at the end; refusing sidecar: "
-          + next(line for line in refused.splitlines() if line.startswith('pdwatch_ingest_refused_total{reason="memory"')))
+          + next(line for line in refused.splitlines() if line.startswith(f'{c.INGEST_REFUSED.series}{{{c.L_REASON}="memory"')))
     bounded = all(r["peak_buf"] <= BUFFER_MAX and r["peak_queue"] <= EXPORT_QUEUE for r in results)
     ok = worst <= 1.5 and bounded
     print(f"goal (faulty sidecar <= 1.5x the healthy cost on the calling thread, queues bounded): "

@@ -31,6 +31,7 @@ import types
 from array import array
 from types import SimpleNamespace
 
+from pdwatch import contract as c
 from pdwatch.testbed.processes import free_port
 
 
@@ -51,7 +52,7 @@ def load_sglang_with_plugin():
     # docs/sglang.md): torchvision's op registrations fail and are not needed.
     for name in ("torchvision._meta_registrations", "torchvision._autograd_registrations"):
         sys.modules.setdefault(name, types.ModuleType(name))
-    os.environ["PDWATCH_SGLANG"] = "1"
+    os.environ[c.ENV_SGLANG] = "1"
     os.environ["SGLANG_PLUGINS"] = "pdwatch"
     import sglang.srt.disaggregation.decode
     import sglang.srt.disaggregation.prefill

@@ -229,7 +229,7 @@ def main() -> int:
         ap.error("--warmup must not be negative")
     rng, brng = random.Random(7), random.Random(11)
     rounds = []
-    with SidecarProcess(env={"PDWATCH_NVML": "off", "PDWATCH_LOG_LEVEL": "warning"}) as sidecar:
+    with SidecarProcess(env={c.ENV_NVML: "off", c.ENV_LOG_LEVEL: "warning"}) as sidecar:
         endpoint = sidecar.url if args.sink == "sidecar" else f"http://127.0.0.1:{free_port()}"  # nobody listens
         print(f"requests per stack and round: {args.requests} (prompt {args.prompt_tokens}, {args.max_tokens} new "
               f"tokens), alternating, one at a time; the plugin exports to "

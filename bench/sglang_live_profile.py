@@ -50,6 +50,7 @@ from pathlib import Path
 import psutil
 from sglang_live_cost import one_request
 
+from pdwatch import contract as c
 from pdwatch.testbed.sglang_pd.stack import SglangStack
 from pdwatch.testbed.sidecar_process import SidecarProcess
 
@@ -130,7 +131,7 @@ def main() -> int:
         ap.error("py-spy is not installed (pip install 'pdwatch[capture]', or make, which installs requirements.lock)")
 
     rng = random.Random(5)
-    with SidecarProcess(env={"PDWATCH_NVML": "off", "PDWATCH_LOG_LEVEL": "warning"}) as sidecar, \
+    with SidecarProcess(env={c.ENV_NVML: "off", c.ENV_LOG_LEVEL: "warning"}) as sidecar, \
             tempfile.TemporaryDirectory(prefix="pdwatch-profile-") as tmp:
         stack = SglangStack("healthy", otlp_endpoint=sidecar.url, decodes=1, plugin=True, cluster="profile",
                             load=False).start()
@@ -177,17 +178,17 @@ def main() -> int:
     print(f"{len(window)} requests while sampling ({args.prompt_tokens}-token prompts, {args.max_tokens} new tokens, "
           f"one at a time), median {median * 1e3:.2f} ms; py-spy {args.rate} Hz for {args.seconds:.0f} s, GIL holder only")
     total_share = 0.0
-    for name, (c, where, on_thread) in read.items():
-        n = sum(c.values())
+    for name, (counts, where, on_thread) in read.items():
+        n = sum(counts.values())
         gil_ms = n / args.rate / len(window) * 1e3  # sampled GIL time per request
-        lo, hi = wilson(c["pdwatch"], n)
-        wlo, whi = wilson(c["wrapper"], n)
-        share = c["pdwatch"] / n if n else 0.0
+        lo, hi = wilson(counts["pdwatch"], n)
+        wlo, whi = wilson(counts["wrapper"], n)
+        share = counts["pdwatch"] / n if n else 0.0
         of_request = share * gil_ms / (median * 1e3)
         total_share += of_request
-        print(f"{name}: {n} samples ({gil_ms:.2f} ms of GIL per request); pdwatch {c['pdwatch']} = "
+        print(f"{name}: {n} samples ({gil_ms:.2f} ms of GIL per request); pdwatch {counts['pdwatch']} = "
               f"{share * 100:.2f} % (95 %: {lo * 100:.2f} .. {hi * 100:.2f} %); HookRegistry wrappers "
-              f"{c['wrapper']} = {c['wrapper'] / n * 100:.2f} % ({wlo * 100:.2f} .. {whi * 100:.2f} %); "
+              f"{counts['wrapper']} = {counts['wrapper'] / n * 100:.2f} % ({wlo * 100:.2f} .. {whi * 100:.2f} %); "
               f"pdwatch's GIL time per request {share * gil_ms * 1e3:.0f} us = {of_request * 100:.2f} % of the median"
               f" (hooks {on_thread['hooks']} samples, recorder thread {on_thread['recorder']})")
         for kind in ("pdwatch", "wrapper"):

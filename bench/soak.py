@@ -148,8 +148,8 @@ def soak(legs: int = 1_000_000, max_seconds: float = 600.0, min_seconds: float =
          full: int = 512, instances: int = 8, warmup: float = 0.25, flat_tolerance: float = 0.10,
          env: dict | None = None, log=print) -> dict:
     """Run the soak; returns its figures. Bounded by `legs` (and `min_seconds`) and by `max_seconds`."""
-    settings = {"PDWATCH_NVML": "off", "PDWATCH_INSTANCE_TTL_S": "5", "PDWATCH_MAX_INSTANCES": "64",
-                "PDWATCH_LOG_LEVEL": "warning", **(env or {})}
+    settings = {c.ENV_NVML: "off", c.ENV_INSTANCE_TTL: "5", c.ENV_MAX_INSTANCES: "64",
+                c.ENV_LOG_LEVEL: "warning", **(env or {})}
     engines = Engines(instances, inventory, full, restart_every=97, generation_s=3.0)
     statuses: dict[int, int] = {}
     with SidecarProcess(env=settings) as sc:
@@ -194,9 +194,9 @@ def soak(legs: int = 1_000_000, max_seconds: float = 600.0, min_seconds: float =
         "tracked_legs_end": health["tracked_legs"], "instances_end": health["instances"],
         "rss_samples": len(samples),
         "evicted": {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-                    if line.startswith("pdwatch_legs_evicted_total{")},
+                    if line.startswith(c.LEGS_EVICTED.series + "{")},
         "instances_expired": next((float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-                                   if line.startswith("pdwatch_instances_expired_total ")), 0.0),
+                                   if line.startswith(c.INSTANCES_EXPIRED.series + " ")), 0.0),
     }
     log(json.dumps(figures))
     return figures

@@ -57,8 +57,7 @@ def one_run(args, scenario: str, seed: int) -> dict:
     from pdwatch.testbed import scenarios
     from pdwatch.testbed.stack import Stack
 
-    env = {"PDWATCH_FLOOR_TRANSFER_S": str(args.floor_transfer_s), "PDWATCH_LOG_LEVEL": "warning",
-           "PDWATCH_NVML": "off"}
+    env = {c.floor_env("transfer"): str(args.floor_transfer_s), c.ENV_LOG_LEVEL: "warning", c.ENV_NVML: "off"}
     with SidecarProcess(env=env) as sc, Monitoring([sc.url], scrape_interval_s=args.scrape_s) as mon:
         rate = args.rate if args.rate is not None else scenarios.get(scenario).rate or 3.0
         stack = Stack(scenario, otlp_endpoint=sc.url, heartbeat_s=args.heartbeat_s, rate=rate,

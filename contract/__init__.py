@@ -1,15 +1,20 @@
-"""Every name the telemetry contract fixes (docs/contract.md), at the bottom of the tree.
+"""Every name the telemetry contract fixes (docs/contract.md), and pdwatch's own beside them,
+at the bottom of the tree.
 
 The recorder, the SGLang plugin, the sidecar, the alert generator, the
-dashboards, the docs tables and the tests import these instead of spelling a
-string twice, so a typo cannot split a producer from its consumer. This module
+dashboards, the testbed, the docs tables and the tests import these instead of
+spelling a string twice, so a typo cannot split a producer from its consumer:
+each metric family (name, type, labels, help), label, attribute, environment
+variable and alert name is written here once, and tests/test_names.py fails on
+a `pdwatch_` metric or `PDWATCH_` variable spelt anywhere else. This module
 imports nothing of pdwatch's.
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import Literal, get_args
 
 CONTRACT_VERSION = "1.1"
 
@@ -125,8 +130,13 @@ H_OPEN_PROBES = "pd.open.probes"
 # pdwatch's own heartbeat attributes beside the contract's (its health, engine counters).
 H_RECORDER_PREFIX = "pdwatch.recorder."
 H_ENGINE_PREFIX = "pd.engine."
+H_DROPPED = "pdwatch.recorder.dropped"  # records the hot-path buffer had no room for
 H_HOOK_ERRORS = "pdwatch.recorder.hook_errors"
+H_WORKER_ERRORS = "pdwatch.recorder.worker_errors"
 H_WORKER_CPU = "pdwatch.recorder.worker_cpu_s"  # the recorder thread's CPU seconds so far
+H_SPANS_DROPPED = "pdwatch.recorder.spans_dropped"  # the export queue was full
+H_EXPORT_FAILED = "pdwatch.recorder.export_failed_spans"
+H_LEGS_EVICTED = "pdwatch.recorder.legs_evicted"
 # The longest the engine's loop stands still while idle, seconds (0: it spins), as the engine knows
 # it: the sidecar then judges an idle loop that stops without first watching it turn while idle.
 H_LOOP_IDLE_TURN = "pdwatch.loop.idle_turn_s"
@@ -135,81 +145,6 @@ H_LOOP_IDLE_TURN = "pdwatch.loop.idle_turn_s"
 A_INSTANCE = "pd.instance"
 A_FAMILY = "pdwatch.family"
 A_REASON = "pdwatch.reason"  # v1.1
-
-# ---- metric labels and names (section 6) -----------------------------------------------------
-L_CLUSTER, L_ROLE, L_STAGE, L_INSTANCE = "cluster", "role", "stage", "pd_instance"
-L_OUTCOME, L_FAMILY, L_GPU, L_UUID, L_REASON = "outcome", "family", "gpu", "uuid", "reason"
-L_TRACE_ID, L_RID = "trace_id", "rid"
-LEG_GROUP = (L_CLUSTER, L_ROLE, L_STAGE, L_INSTANCE)
-INSTANCE_KEY = (L_CLUSTER, L_ROLE, L_INSTANCE)
-GPU_KEY = (L_GPU, L_UUID, L_CLUSTER, L_ROLE, L_INSTANCE)
-
-
-class Metric(NamedTuple):
-    name: str  # as exposed; counters without their _total suffix
-    type: str  # gauge | counter | histogram
-    labels: tuple[str, ...]
-
-    @property
-    def series(self) -> str:
-        """The name a query uses: a counter's samples end in _total."""
-        return self.name + "_total" if self.type == "counter" else self.name
-
-    @property
-    def series_names(self) -> tuple[str, ...]:
-        """Every sample name the metric exposes (a histogram's three)."""
-        if self.type == "histogram":
-            return tuple(f"{self.name}_{part}" for part in ("bucket", "sum", "count"))
-        return (self.series,)
-
-
-INFLIGHT = Metric("pdwatch_inflight_requests", "gauge", LEG_GROUP)
-STUCK = Metric("pdwatch_stuck_requests", "gauge", LEG_GROUP)
-OLDEST_AGE = Metric("pdwatch_oldest_stage_age_seconds", "gauge", LEG_GROUP)
-THRESHOLD = Metric("pdwatch_stuck_threshold_seconds", "gauge", (L_CLUSTER, L_ROLE, L_STAGE))
-STAGE_DURATION = Metric("pdwatch_stage_duration_seconds", "histogram", (L_CLUSTER, L_ROLE, L_STAGE))
-FINISHED = Metric("pdwatch_requests_finished", "counter", (*INSTANCE_KEY, L_OUTCOME))
-STUCK_DETECTED = Metric("pdwatch_stuck_detected", "counter", (L_CLUSTER, L_ROLE, L_STAGE))
-STUCK_INFO = Metric("pdwatch_stuck_request_info", "gauge", (*LEG_GROUP, L_TRACE_ID, L_RID, L_REASON))
-INSTANCE_UP = Metric("pdwatch_instance_up", "gauge", INSTANCE_KEY)
-INSTANCE_START = Metric("pdwatch_instance_start_time_seconds", "gauge", INSTANCE_KEY)
-INSTANCE_RESTARTS = Metric("pdwatch_instance_restarts", "counter", INSTANCE_KEY)
-LOOP_STALLED = Metric("pdwatch_engine_loop_stalled", "gauge", INSTANCE_KEY)
-GPU_UTILIZATION = Metric("pdwatch_gpu_utilization_ratio", "gauge", GPU_KEY)
-GPU_POWER = Metric("pdwatch_gpu_power_watts", "gauge", GPU_KEY)
-GPU_POWER_LIMIT = Metric("pdwatch_gpu_power_limit_watts", "gauge", GPU_KEY)
-GPU_MEMORY_USED = Metric("pdwatch_gpu_memory_used_bytes", "gauge", GPU_KEY)
-GPU_TELEMETRY_UP = Metric("pdwatch_gpu_telemetry_up", "gauge", ())
-SUSPECTED_FAILURE = Metric("pdwatch_suspected_failure", "gauge", (L_CLUSTER, L_FAMILY))
-SPANS_RECEIVED = Metric("pdwatch_spans_received", "counter", ())
-SPANS_REJECTED = Metric("pdwatch_spans_rejected", "counter", (L_REASON,))
-TRACKED_LEGS = Metric("pdwatch_tracked_legs", "gauge", ())
-CLUSTER_FLOWING = Metric("pdwatch_cluster_flowing", "gauge", (L_CLUSTER,))
-STUCK_EVIDENCE = Metric("pdwatch_stuck_evidence_requests", "gauge", (*LEG_GROUP, L_REASON))
-
-# Every metric section 6 requires, in its order.
-REQUIRED_METRICS = (
-    INFLIGHT, STUCK, OLDEST_AGE, THRESHOLD, STAGE_DURATION, FINISHED, STUCK_DETECTED, STUCK_INFO, INSTANCE_UP,
-    INSTANCE_START, INSTANCE_RESTARTS, LOOP_STALLED, GPU_UTILIZATION, GPU_POWER, GPU_POWER_LIMIT,
-    GPU_MEMORY_USED, GPU_TELEMETRY_UP, SUSPECTED_FAILURE, SPANS_RECEIVED, SPANS_REJECTED, TRACKED_LEGS,
-    CLUSTER_FLOWING, STUCK_EVIDENCE,
-)
-
-# ---- alert names (section 9) ------------------------------------------------------------------
-ALERT_STUCK_WHILE_OTHERS_FLOW = "PDRequestStuckWhileOthersFlow"
-ALERT_TOTAL_WEDGE = "PDTotalWedge"
-ALERT_TRANSFER_WEDGE = "PDTransferWedgeSuspected"
-ALERT_BOOTSTRAP_WEDGE = "PDBootstrapWedgeSuspected"
-ALERT_COLLECTIVE_DESYNC = "PDCollectiveDesyncSuspected"
-ALERT_QUEUE_STARVATION = "PDQueueStarvation"
-ALERT_RESTART_SKEW = "PDRestartSkew"
-ALERT_ENGINE_SILENT = "PDEngineSilent"
-ALERT_TELEMETRY_MISSING = "PDWatchTelemetryMissing"
-ALERT_NAMES = (
-    ALERT_STUCK_WHILE_OTHERS_FLOW, ALERT_TOTAL_WEDGE, ALERT_TRANSFER_WEDGE, ALERT_BOOTSTRAP_WEDGE,
-    ALERT_COLLECTIVE_DESYNC, ALERT_QUEUE_STARVATION, ALERT_RESTART_SKEW, ALERT_ENGINE_SILENT,
-    ALERT_TELEMETRY_MISSING,
-)
 
 # ---- the HTTP interface (section 7) -----------------------------------------------------------
 PATH_INGEST = "/v1/traces"
@@ -234,16 +169,250 @@ DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 
 
 def floor_env(stage: str) -> str:
-    return f"PDWATCH_FLOOR_{stage.upper()}_S"
+    return f"{ENV_PREFIX}FLOOR_{stage.upper()}_S"
 
 
 SIDECAR_ENV = (ENV_HOST, ENV_PORT, ENV_TOKEN, *(floor_env(s) for s in ALL_STAGES), ENV_FLOW_WINDOW, ENV_FORWARD,
                ENV_NVML, ENV_GPU_INTERVAL, ENV_MAX_BODY)
+# The sidecar's other settings, pdwatch's own (docs/sidecar.md): with SIDECAR_ENV, one variable per
+# field of sidecar/settings.py, which derives them as ENV_PREFIX + the field's name.
+ENV_GPU_MAP = "PDWATCH_GPU_MAP"
+ENV_MAX_OPEN_LEGS, ENV_MAX_CLOSED_LEGS = "PDWATCH_MAX_OPEN_LEGS", "PDWATCH_MAX_CLOSED_LEGS"
+ENV_MAX_INSTANCES, ENV_INSTANCE_TTL = "PDWATCH_MAX_INSTANCES", "PDWATCH_INSTANCE_TTL_S"
+ENV_MAX_RSS = "PDWATCH_MAX_RSS_BYTES"
+ENV_EVALUATE_INTERVAL = "PDWATCH_EVALUATE_INTERVAL_S"
+ENV_CAPTURE, ENV_CAPTURE_EVERY = "PDWATCH_CAPTURE", "PDWATCH_CAPTURE_EVERY_S"
+ENV_CAPTURE_TIMEOUT, ENV_CAPTURE_HOSTS = "PDWATCH_CAPTURE_TIMEOUT_S", "PDWATCH_CAPTURE_HOSTS"
+ENV_LOG_LEVEL = "PDWATCH_LOG_LEVEL"
+SIDECAR_OWN_ENV = (ENV_GPU_MAP, ENV_MAX_OPEN_LEGS, ENV_MAX_CLOSED_LEGS, ENV_MAX_INSTANCES, ENV_INSTANCE_TTL,
+                   ENV_MAX_RSS, ENV_EVALUATE_INTERVAL, ENV_CAPTURE, ENV_CAPTURE_EVERY, ENV_CAPTURE_TIMEOUT,
+                   ENV_CAPTURE_HOSTS, ENV_LOG_LEVEL)
 # Engine side.
 ENV_HEARTBEAT, ENV_INVENTORY_MAX = "PDWATCH_HEARTBEAT_S", "PDWATCH_INVENTORY_MAX"
 ENV_CLUSTER, ENV_INSTANCE = "PDWATCH_CLUSTER", "PDWATCH_INSTANCE"
 ENV_OTLP_ENDPOINT = "OTEL_EXPORTER_OTLP_ENDPOINT"
 ENGINE_ENV = (ENV_HEARTBEAT, ENV_INVENTORY_MAX, ENV_CLUSTER, ENV_INSTANCE, ENV_OTLP_ENDPOINT)
+# The SGLang plugin's own: its switch, and GPU UUIDs for a process that cannot read its own.
+ENV_SGLANG, ENV_GPU_UUIDS = "PDWATCH_SGLANG", "PDWATCH_GPU_UUIDS"
+# The client commands' (diagnose, trace, report) beside ENV_TOKEN and ENV_FLOW_WINDOW.
+ENV_SIDECAR, ENV_TRACE_URL = "PDWATCH_SIDECAR", "PDWATCH_TRACE_URL"
+# The testbed's, for the processes it starts: the NVML stub's state file, the SGLang servers'
+# state folder, the emulated engines' random seed.
+ENV_NVML_STUB_STATE = "PDWATCH_NVML_STUB_STATE"
+ENV_TESTBED_STATE_DIR, ENV_TESTBED_SEED = "PDWATCH_TESTBED_STATE_DIR", "PDWATCH_TESTBED_SEED"
+
+# ---- metric labels (section 6) ----------------------------------------------------------------
+L_CLUSTER, L_ROLE, L_STAGE, L_INSTANCE = "cluster", "role", "stage", "pd_instance"
+L_OUTCOME, L_FAMILY, L_GPU, L_UUID, L_REASON = "outcome", "family", "gpu", "uuid", "reason"
+L_TRACE_ID, L_RID = "trace_id", "rid"
+# pdwatch's additions: the contrast's, the GPU detail's, the forwarder's and the stack capture's.
+L_ATTRIBUTE, L_VALUE, L_LEGS = "attribute", "value", "legs"
+L_QUERY, L_ERROR, L_NAME, L_JOINED_BY = "query", "error", "name", "joined_by"
+L_KIND, L_RESULT = "kind", "result"
+# Labels Prometheus itself adds: its scrape target's, and a histogram bucket's bound.
+L_JOB, L_TARGET, L_LE = "job", "instance", "le"
+# The alert rules' own label: how urgent a page is (alerts/alertmanager.example.yml routes on it).
+L_SEVERITY = "severity"
+LEG_GROUP = (L_CLUSTER, L_ROLE, L_STAGE, L_INSTANCE)
+INSTANCE_KEY = (L_CLUSTER, L_ROLE, L_INSTANCE)
+GPU_KEY = (L_GPU, L_UUID, L_CLUSTER, L_ROLE, L_INSTANCE)
+
+# ---- metrics (section 6, then pdwatch's additions) ---------------------------------------------
+MetricType = Literal["counter", "gauge", "histogram"]
+METRIC_PREFIX = "pdwatch_"
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One metric family as the sidecar exposes it: the collectors build it from this, and the
+    alert rules, dashboards and Prometheus readers name it and its labels through it."""
+
+    name: str  # as exposed; a counter's without its _total suffix
+    type: MetricType
+    labels: tuple[str, ...]
+    help: str
+
+    def __post_init__(self) -> None:
+        if not self.name.startswith(METRIC_PREFIX) or self.type not in get_args(MetricType):
+            raise ValueError(f"not a pdwatch metric: {self.name!r} of type {self.type!r}")
+        if self.type == "counter" and self.name.endswith("_total"):
+            raise ValueError(f"counter {self.name!r}: name it without _total")
+
+    @property
+    def series(self) -> str:
+        """The name a query uses: a counter's samples end in _total."""
+        return self.name + "_total" if self.type == "counter" else self.name
+
+    @property
+    def series_names(self) -> tuple[str, ...]:
+        """Every sample name the metric exposes (a histogram's three)."""
+        if self.type == "histogram":
+            return tuple(f"{self.name}_{part}" for part in ("bucket", "sum", "count"))
+        return (self.series,)
+
+    def sample(self, part: str) -> str:
+        """A histogram's bucket, sum or count series."""
+        if self.type != "histogram" or part not in ("bucket", "sum", "count"):
+            raise ValueError(f"{self.name} has no {part} series")
+        return f"{self.name}_{part}"
+
+    def by(self, *labels: str) -> str:
+        """The label list of a PromQL `by (...)` over this metric; a label it does not carry raises,
+        so a misspelt name fails where the query is written instead of grouping into one empty series."""
+        known = (*self.labels, L_JOB, L_TARGET, *((L_LE,) if self.type == "histogram" else ()))
+        wrong = [label for label in labels if label not in known]
+        if wrong:
+            raise ValueError(f"{self.name} has no label {', '.join(wrong)}")
+        return ", ".join(labels)
+
+
+INFLIGHT = Metric("pdwatch_inflight_requests", "gauge", LEG_GROUP,
+                  "Open legs per stage, as the engines' latest heartbeats count them.")
+STUCK = Metric("pdwatch_stuck_requests", "gauge", LEG_GROUP,
+               "Open legs stuck: past their stage's threshold, or on evidence (contract section 5b).")
+OLDEST_AGE = Metric("pdwatch_oldest_stage_age_seconds", "gauge", LEG_GROUP,
+                    "Age of the oldest open leg in each stage (decode: since its last new token).")
+THRESHOLD = Metric("pdwatch_stuck_threshold_seconds", "gauge", (L_CLUSTER, L_ROLE, L_STAGE),
+                   f"Current stuck threshold: max(floor, {P99_FACTOR:g} x p99 of recent durations).")
+STAGE_DURATION = Metric("pdwatch_stage_duration_seconds", "histogram", (L_CLUSTER, L_ROLE, L_STAGE),
+                        "Time legs spent in each stage, from the engines' finished stage spans.")
+FINISHED = Metric("pdwatch_requests_finished", "counter", (*INSTANCE_KEY, L_OUTCOME), "Legs finished, by outcome.")
+STUCK_DETECTED = Metric("pdwatch_stuck_detected", "counter", (L_CLUSTER, L_ROLE, L_STAGE),
+                        "Legs found stuck, each counted once.")
+STUCK_INFO = Metric("pdwatch_stuck_request_info", "gauge", (*LEG_GROUP, L_TRACE_ID, L_RID, L_REASON),
+                    "Stage age in seconds of each of the oldest stuck legs, named by trace id, with the reason it "
+                    "is stuck.")
+INSTANCE_UP = Metric("pdwatch_instance_up", "gauge", INSTANCE_KEY, "1 while every rank of the instance heartbeats.")
+INSTANCE_START = Metric("pdwatch_instance_start_time_seconds", "gauge", INSTANCE_KEY,
+                        "Start time of the instance's current process (rank 0), Unix seconds.")
+INSTANCE_RESTARTS = Metric("pdwatch_instance_restarts", "counter", INSTANCE_KEY,
+                           f"New processes seen under the same {R_INSTANCE}.")
+LOOP_STALLED = Metric("pdwatch_engine_loop_stalled", "gauge", INSTANCE_KEY,
+                      "1 when a rank heartbeats but its scheduler loop counter stopped moving.")
+GPU_UTILIZATION = Metric("pdwatch_gpu_utilization_ratio", "gauge", GPU_KEY,
+                         "Fraction of the last sample period in which a kernel ran on the GPU (NVML utilization).")
+GPU_POWER = Metric("pdwatch_gpu_power_watts", "gauge", GPU_KEY, "GPU power draw in watts.")
+GPU_POWER_LIMIT = Metric("pdwatch_gpu_power_limit_watts", "gauge", GPU_KEY, "GPU enforced power limit in watts.")
+GPU_MEMORY_USED = Metric("pdwatch_gpu_memory_used_bytes", "gauge", GPU_KEY, "GPU memory in use, in bytes.")
+GPU_TELEMETRY_UP = Metric("pdwatch_gpu_telemetry_up", "gauge", (),
+                          "1 while NVML answers and GPUs are sampled, else 0 (the reason is in /healthz and the "
+                          "logs).")
+SUSPECTED_FAILURE = Metric("pdwatch_suspected_failure", "gauge", (L_CLUSTER, L_FAMILY),
+                           "1 when the diagnosis suspects this failure family in the cluster.")
+SPANS_RECEIVED = Metric("pdwatch_spans_received", "counter", (), f"Spans received on {PATH_INGEST}.")
+SPANS_REJECTED = Metric("pdwatch_spans_rejected", "counter", (L_REASON,), "Spans that could not be used, by reason.")
+TRACKED_LEGS = Metric("pdwatch_tracked_legs", "gauge", (), "Open legs the sidecar tracks.")
+CLUSTER_FLOWING = Metric("pdwatch_cluster_flowing", "gauge", (L_CLUSTER,),
+                         "1 when some leg of the cluster finished ok within the flow window.")
+STUCK_EVIDENCE = Metric("pdwatch_stuck_evidence_requests", "gauge", (*LEG_GROUP, L_REASON),
+                        f"The stuck legs that are stuck on evidence, by reason: {', '.join(EVIDENCE_REASONS)}.")
+
+# Every metric section 6 requires, in its order.
+REQUIRED_METRICS = (
+    INFLIGHT, STUCK, OLDEST_AGE, THRESHOLD, STAGE_DURATION, FINISHED, STUCK_DETECTED, STUCK_INFO, INSTANCE_UP,
+    INSTANCE_START, INSTANCE_RESTARTS, LOOP_STALLED, GPU_UTILIZATION, GPU_POWER, GPU_POWER_LIMIT,
+    GPU_MEMORY_USED, GPU_TELEMETRY_UP, SUSPECTED_FAILURE, SPANS_RECEIVED, SPANS_REJECTED, TRACKED_LEGS,
+    CLUSTER_FLOWING, STUCK_EVIDENCE,
+)
+
+# pdwatch's additions (docs/sidecar.md): what the judge found beyond section 6 ...
+STUCK_CONTRAST = Metric("pdwatch_stuck_contrast_ratio", "gauge", (L_CLUSTER, L_ATTRIBUTE, L_VALUE, L_LEGS),
+                        "What sets a cluster's stuck legs apart: for each attribute that separates them clearly from "
+                        "the legs that finished ok in the flow window, the share of stuck (legs=\"stuck\") and of "
+                        "flowing legs that have it.")
+PROBES_FINISHED = Metric("pdwatch_probe_requests_finished", "counter", FINISHED.labels,
+                         "Engine probe legs (warm-ups, health checks) finished, by outcome; counted apart from "
+                         f"{FINISHED.series} and never as flow.")
+LOOP_FROZEN = Metric("pdwatch_engine_loop_frozen", "gauge", INSTANCE_KEY,
+                     "1 while a rank heartbeats but its loop stands still past the loop rule: with legs open "
+                     f"(contract section 5b: its legs are stuck on evidence, {REASON_LOOP_FROZEN}), or idle when its "
+                     "loop is known to turn while idle.")
+HEARTBEAT_AGE = Metric("pdwatch_instance_heartbeat_age_seconds", "gauge", INSTANCE_KEY,
+                       "Seconds since the instance's stalest rank last heartbeated.")
+DIAGNOSIS_CONFIDENCE = Metric("pdwatch_diagnosis_confidence", "gauge", (L_CLUSTER, L_FAMILY),
+                              "Confidence (0..1) of each failure family the diagnosis considered.")
+# ... the sidecar's own ingest and tracking ...
+SPANS_FOREIGN = Metric("pdwatch_spans_foreign", "counter", (),
+                       "Spans that are not pdwatch's (another instrumentation's, on the same endpoint): neither "
+                       "applied nor rejected; forwarded when forwarding is on.")
+SPANS_DUPLICATE = Metric("pdwatch_spans_duplicate", "counter", (),
+                         "Spans and heartbeats received again or late; applied once only.")
+HEARTBEATS_RECEIVED = Metric("pdwatch_heartbeats_received", "counter", (), "Heartbeats applied.")
+TRACKED_INSTANCES = Metric("pdwatch_tracked_instances", "gauge", (), "Engine instances the sidecar tracks.")
+GONE_PEERS = Metric("pdwatch_gone_peers", "gauge", (),
+                    "Peer ids (KV agent names, bootstrap addresses) of ended processes the sidecar remembers for the "
+                    f"{REASON_PEER_GONE} rule.")
+LEGS_EVICTED = Metric("pdwatch_legs_evicted", "counter", (L_REASON,),
+                      "Legs dropped from tracking: open_limit (new legs refused at the memory cap), closed_limit "
+                      "(finished legs forgotten at the history cap), vanished (gone from their engine's inventory "
+                      f"without a leg span), instance_gone (their instance sent nothing for {ENV_INSTANCE_TTL}).")
+INSTANCES_EXPIRED = Metric("pdwatch_instances_expired", "counter", (),
+                           f"Instances forgotten after sending nothing for {ENV_INSTANCE_TTL}.")
+LABEL_SETS_REFUSED = Metric("pdwatch_label_sets_refused", "counter", (),
+                            "Observations dropped because a metric reached its label-set cap.")
+EVALUATION_TIMESTAMP = Metric("pdwatch_evaluation_timestamp_seconds", "gauge", (),
+                              "When the judge made the evaluation this scrape shows, Unix seconds.")
+INGEST_REFUSED = Metric("pdwatch_ingest_refused", "counter", (L_REASON,),
+                        "OTLP requests refused before reading: busy (429, too many in flight) or memory (503, "
+                        f"resident memory over {ENV_MAX_RSS}).")
+INGEST_ERRORS = Metric("pdwatch_ingest_errors", "counter", (),
+                       "OTLP requests answered 400 because applying their spans raised an unexpected error (a "
+                       "pdwatch bug; the log has the traceback).")
+RESIDENT_MEMORY = Metric("pdwatch_sidecar_resident_memory_bytes", "gauge", (),
+                         "Resident memory of the sidecar process (VmRSS).")
+MEMORY_LIMIT = Metric("pdwatch_sidecar_memory_limit_bytes", "gauge", (),
+                      "Resident memory above which ingest is refused with 503; 0 = no limit.")
+JUDGE_TICKS = Metric("pdwatch_judge_ticks", "counter", (), "Evaluations the judge made.")
+JUDGE_ERRORS = Metric("pdwatch_judge_errors", "counter", (), "Judge ticks that raised (a pdwatch bug; see the log).")
+JUDGE_TICK_SECONDS = Metric("pdwatch_judge_tick_seconds", "gauge", (), "How long the latest judge tick took.")
+STACK_CAPTURES = Metric("pdwatch_stack_captures", "counter", (L_RESULT,),
+                        "Stack captures of engine processes, by result: taken, failed, rate_limited, dropped (queue "
+                        "full), not_local (no PID of this host).")
+# ... its GPU sampler's detail ...
+GPU_DEVICE_ERRORS = Metric("pdwatch_gpu_device_errors", "gauge", (*GPU_KEY, L_QUERY, L_ERROR),
+                           "1 for each NVML query that failed on this GPU in the last pass, labelled with the query "
+                           "and NVML's error.")
+GPU_INFO = Metric("pdwatch_gpu_info", "gauge", (*GPU_KEY, L_NAME, L_JOINED_BY),
+                  "1 per GPU; names the device and how its owner was found: uuid, pid, config, none, or "
+                  "uuid/pid/config_last_known for a failing device that no longer says.")
+GPU_LAST_SAMPLE = Metric("pdwatch_gpu_last_sample_timestamp_seconds", "gauge", (),
+                         "Unix time of the last completed GPU sampling pass.")
+# ... and its forwarder to a trace store (exposed only while forwarding is on).
+FORWARD_SPANS = Metric("pdwatch_forward_spans", "counter", (L_KIND, L_RESULT),
+                       "Spans forwarded to the trace store, by kind (lifecycle: the engines' spans as received, with "
+                       f"foreign spans and without heartbeats; stuck: {SPAN_STUCK}) and result: sent, dropped (queue "
+                       "full) or failed (refused, or retries ran out).")
+FORWARD_QUEUE_DEPTH = Metric("pdwatch_forward_queue_depth", "gauge", (), "Spans waiting to be forwarded.")
+FORWARD_QUEUE_CAPACITY = Metric("pdwatch_forward_queue_capacity_spans", "gauge", (),
+                                "Most lifecycle spans the queue holds.")
+FORWARD_RETRIES = Metric("pdwatch_forward_retries", "counter", (), "Retried POSTs to the trace store.")
+FORWARD_REQUESTS = Metric("pdwatch_forward_requests", "counter", (), "POSTs the trace store accepted.")
+FORWARD_METRICS = (FORWARD_SPANS, FORWARD_QUEUE_DEPTH, FORWARD_QUEUE_CAPACITY, FORWARD_RETRIES, FORWARD_REQUESTS)
+
+ADDED_METRICS = (
+    STUCK_CONTRAST, PROBES_FINISHED, LOOP_FROZEN, HEARTBEAT_AGE, DIAGNOSIS_CONFIDENCE, SPANS_FOREIGN, SPANS_DUPLICATE,
+    HEARTBEATS_RECEIVED, TRACKED_INSTANCES, GONE_PEERS, LEGS_EVICTED, INSTANCES_EXPIRED, LABEL_SETS_REFUSED,
+    EVALUATION_TIMESTAMP, INGEST_REFUSED, INGEST_ERRORS, RESIDENT_MEMORY, MEMORY_LIMIT, JUDGE_TICKS, JUDGE_ERRORS,
+    JUDGE_TICK_SECONDS, STACK_CAPTURES, GPU_DEVICE_ERRORS, GPU_INFO, GPU_LAST_SAMPLE, *FORWARD_METRICS,
+)
+# Every metric family a sidecar can expose.
+METRICS = (*REQUIRED_METRICS, *ADDED_METRICS)
+
+# ---- alert names (section 9) ------------------------------------------------------------------
+ALERT_STUCK_WHILE_OTHERS_FLOW = "PDRequestStuckWhileOthersFlow"
+ALERT_TOTAL_WEDGE = "PDTotalWedge"
+ALERT_TRANSFER_WEDGE = "PDTransferWedgeSuspected"
+ALERT_BOOTSTRAP_WEDGE = "PDBootstrapWedgeSuspected"
+ALERT_COLLECTIVE_DESYNC = "PDCollectiveDesyncSuspected"
+ALERT_QUEUE_STARVATION = "PDQueueStarvation"
+ALERT_RESTART_SKEW = "PDRestartSkew"
+ALERT_ENGINE_SILENT = "PDEngineSilent"
+ALERT_TELEMETRY_MISSING = "PDWatchTelemetryMissing"
+ALERT_NAMES = (
+    ALERT_STUCK_WHILE_OTHERS_FLOW, ALERT_TOTAL_WEDGE, ALERT_TRANSFER_WEDGE, ALERT_BOOTSTRAP_WEDGE,
+    ALERT_COLLECTIVE_DESYNC, ALERT_QUEUE_STARVATION, ALERT_RESTART_SKEW, ALERT_ENGINE_SILENT,
+    ALERT_TELEMETRY_MISSING,
+)
 
 
 # ---- identity (section 2) ---------------------------------------------------------------------

@@ -14,6 +14,8 @@ from grafana_foundation_sdk.models import common as cm
 from grafana_foundation_sdk.models import dashboard as dm
 from grafana_foundation_sdk.models import prometheus as pm
 
+from pdwatch import contract as c
+
 # The data source uids the provisioning files give (provisioning/datasources).
 PROMETHEUS_UID = "pdwatch-prometheus"
 JAEGER_UID = "pdwatch-jaeger"
@@ -22,14 +24,20 @@ PROM = dm.DataSourceRef(type_val="prometheus", uid="${datasource}")
 TAGS = ["pdwatch"]
 
 # Label matchers for the dashboard variables; every pdwatch series of a
-# cluster carries these labels (contract section 6).
-CLUSTER = 'cluster=~"$cluster"'
-ROLE = 'role=~"$role"'
-INSTANCE = 'pd_instance=~"$instance"'
+# cluster carries these labels (contract section 6). Every metric and label
+# the dashboards name is the contract's object or constant.
+CLUSTER = f'{c.L_CLUSTER}=~"$cluster"'
+ROLE = f'{c.L_ROLE}=~"$role"'
+INSTANCE = f'{c.L_INSTANCE}=~"$instance"'
 
 
 def sel(*matchers: str) -> str:
     return "{" + ", ".join(matchers) + "}"
+
+
+def legend(*labels: str) -> str:
+    """A legend that names each series by these labels' values."""
+    return " ".join(f"{{{{{label}}}}}" for label in labels)
 
 
 BY_INSTANCE = sel(CLUSTER, ROLE, INSTANCE)  # series with cluster, role, pd_instance
@@ -49,10 +57,11 @@ def variables(*, jaeger: bool = False) -> list[cogbuilder.Builder[dm.VariableMod
             db.DatasourceVariable("jaeger").label("Jaeger").type("jaeger")
             .current(dm.VariableOption(selected=True, text="Jaeger (pdwatch)", value=JAEGER_UID))
         )
+    up = c.INSTANCE_UP.series
     for name, label, query in (
-        ("cluster", "Cluster", "label_values(pdwatch_instance_up, cluster)"),
-        ("role", "Role", 'label_values(pdwatch_instance_up{cluster=~"$cluster"}, role)'),
-        ("instance", "Instance", 'label_values(pdwatch_instance_up{cluster=~"$cluster", role=~"$role"}, pd_instance)'),
+        ("cluster", "Cluster", f"label_values({up}, {c.L_CLUSTER})"),
+        ("role", "Role", f"label_values({up}{sel(CLUSTER)}, {c.L_ROLE})"),
+        ("instance", "Instance", f"label_values({up}{sel(CLUSTER, ROLE)}, {c.L_INSTANCE})"),
     ):
         out.append(
             db.QueryVariable(name)

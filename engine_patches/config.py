@@ -109,15 +109,15 @@ class RecorderConfig:
         env = os.environ if environ is None else environ
         if self.role not in c.ROLES:
             raise ValueError(f"role must be one of {', '.join(c.ROLES)}, not {self.role!r}")
-        endpoint = self.endpoint or env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or "http://127.0.0.1:4318"
+        endpoint = self.endpoint or env.get(c.ENV_OTLP_ENDPOINT) or "http://127.0.0.1:4318"
         return replace(
             self,
-            cluster=self.cluster or env.get("PDWATCH_CLUSTER") or "default",
+            cluster=self.cluster or env.get(c.ENV_CLUSTER) or "default",
             instance=self.instance or env.get(c.ENV_INSTANCE) or self.server_address or f"{self.host}:{self.role}",
             owns_requests=(self.tp_rank == 0) if self.owns_requests is None else self.owns_requests,
-            heartbeat_s=self.heartbeat_s or _env_float(env, "PDWATCH_HEARTBEAT_S", c.DEFAULT_HEARTBEAT_S),
+            heartbeat_s=self.heartbeat_s or _env_float(env, c.ENV_HEARTBEAT, c.DEFAULT_HEARTBEAT_S),
             inventory_max=self.inventory_max
-            or _env_int(env, "PDWATCH_INVENTORY_MAX", c.DEFAULT_INVENTORY_MAX),
+            or _env_int(env, c.ENV_INVENTORY_MAX, c.DEFAULT_INVENTORY_MAX),
             endpoint=endpoint.rstrip("/"),
             headers=self.headers if self.headers is not None else parse_env_headers(
                 env.get("OTEL_EXPORTER_OTLP_TRACES_HEADERS") or env.get("OTEL_EXPORTER_OTLP_HEADERS") or "",

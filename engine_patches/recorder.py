@@ -220,18 +220,18 @@ class Recorder:
             c.H_FAILED: legs.failed,
             c.H_TOKENS: legs.tokens_generated,
             # pdwatch's own health, so the sidecar can tell lost telemetry from quiet.
-            "pdwatch.recorder.dropped": self.dropped,
+            c.H_DROPPED: self.dropped,
             c.H_HOOK_ERRORS: self.hook_errors,
-            "pdwatch.recorder.worker_errors": self.worker_errors,
+            c.H_WORKER_ERRORS: self.worker_errors,
             c.H_WORKER_CPU: self.worker_cpu_s,
-            "pdwatch.recorder.spans_dropped": self.export.dropped,
-            "pdwatch.recorder.export_failed_spans": self.export.failed_spans,
-            "pdwatch.recorder.legs_evicted": legs.evicted,
+            c.H_SPANS_DROPPED: self.export.dropped,
+            c.H_EXPORT_FAILED: self.export.failed_spans,
+            c.H_LEGS_EVICTED: legs.evicted,
         }
         if cfg.loop_idle_turn_s is not None:
             attrs[c.H_LOOP_IDLE_TURN] = float(cfg.loop_idle_turn_s)
         for name, value in self._engine_counters.items():
-            attrs[f"pd.engine.{name}"] = value
+            attrs[c.H_ENGINE_PREFIX + name] = value
         if cfg.owns_requests:
             attrs.update(legs.inventory(cfg.inventory_max))
         return attrs

@@ -20,10 +20,11 @@ import os
 import sys
 import time
 
+from pdwatch import contract as c
 from pdwatch.testbed.sidecar_process import SidecarProcess
 
 SCENARIOS_EXPECTING_STUCK = {"decode-restart", "transfer-wedge"}
-HEADLINE = "PDRequestStuckWhileOthersFlow"
+HEADLINE = c.ALERT_STUCK_WHILE_OTHERS_FLOW
 # Per engine: the incident scenario, and the events that mark its fault.
 INCIDENT = {"emulated": "decode-restart", "sglang": "transfer-wedge"}
 FAULT_EVENTS = ("killed", "wedge")
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     args.scenario = args.scenario or INCIDENT[args.engine]
     args.rate = args.rate if args.rate is not None else (2.0 if sglang else 4.0)
     expect_stuck = args.scenario in SCENARIOS_EXPECTING_STUCK
-    env = {"PDWATCH_FLOOR_TRANSFER_S": str(args.floor_transfer_s), "PDWATCH_LOG_LEVEL": "warning"}
+    env = {c.floor_env("transfer"): str(args.floor_transfer_s), c.ENV_LOG_LEVEL: "warning"}
     # The live servers drive no emulated GPU; the emulated engines do, behind the NVML stub.
     gpus = None if sglang else _gpu_emulation()
     if gpus is not None:

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdwatch import contract as c
+
 log = logging.getLogger("pdwatch.sidecar.capture")
 
 MODES = ("off", "py-spy")
@@ -79,7 +81,7 @@ class StackCapture:
         self._thread: threading.Thread | None = None
         self.counts = {"taken": 0, "failed": 0, "rate_limited": 0, "dropped": 0, "not_local": 0}
         if mode == "py-spy" and self.tool is None:
-            log.warning("PDWATCH_CAPTURE=py-spy but no py-spy found (pip install 'pdwatch[capture]'): no stacks")
+            log.warning("%s=py-spy but no py-spy found (pip install 'pdwatch[capture]'): no stacks", c.ENV_CAPTURE)
 
     @property
     def enabled(self) -> bool:

@@ -37,12 +37,13 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span, Status
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 
 from pdwatch import contract as c
 from pdwatch.contract.otlp import add_attributes
 
 from .evaluation import StuckLeg, stuck_description
+from .families import counter, gauge
 
 log = logging.getLogger("pdwatch.sidecar.forward")
 
@@ -351,7 +352,7 @@ def _rejected_spans(response: httpx.Response) -> int:
 
 
 class ForwardCollector:
-    """pdwatch_forward_* metrics, built fresh on each scrape."""
+    """The forwarder's metrics (contract FORWARD_METRICS), built fresh on each scrape."""
 
     def __init__(self, forwarder: Forwarder):
         self.fwd = forwarder
@@ -361,22 +362,16 @@ class ForwardCollector:
 
     def collect(self) -> Iterator[Metric]:
         fwd = self.fwd
-        spans = CounterMetricFamily(
-            "pdwatch_forward_spans", "Spans forwarded to the trace store, by kind (lifecycle: the engines' spans as received, with "
-            "foreign spans and without heartbeats; stuck: pd.stuck) and result: "
-            "sent, dropped (queue full) or failed (refused, or retries ran out).", labels=["kind", "result"])
+        spans = counter(c.FORWARD_SPANS)
         with fwd._lock:
             counts = dict(fwd.spans)
         for (kind, result), n in counts.items():
             spans.add_metric([kind, result], n)
         yield spans
-        yield GaugeMetricFamily("pdwatch_forward_queue_depth", "Spans waiting to be forwarded.",
-                                value=fwd.queue_depth)
-        yield GaugeMetricFamily("pdwatch_forward_queue_capacity_spans", "Most lifecycle spans the queue holds.",
-                                value=fwd.max_queue_spans)
-        yield CounterMetricFamily("pdwatch_forward_retries", "Retried POSTs to the trace store.", value=fwd.retries)
-        yield CounterMetricFamily("pdwatch_forward_requests", "POSTs the trace store accepted.",
-                                  value=fwd.requests_sent)
+        yield gauge(c.FORWARD_QUEUE_DEPTH, fwd.queue_depth)
+        yield gauge(c.FORWARD_QUEUE_CAPACITY, fwd.max_queue_spans)
+        yield counter(c.FORWARD_RETRIES, fwd.retries)
+        yield counter(c.FORWARD_REQUESTS, fwd.requests_sent)
 
 
 def from_settings(endpoint: str | None, **options: Any) -> Forwarder | None:

@@ -12,7 +12,11 @@ import os
 import time
 from collections.abc import Callable, Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
+
+from pdwatch import contract as c
+
+from .families import counter, gauge
 
 # Requests being read or applied at once; more are told to come back (429).
 MAX_IN_FLIGHT = 32
@@ -75,24 +79,12 @@ class GuardCollector:
 
     def collect(self) -> Iterator[Metric]:
         g = self.guard
-        refused = CounterMetricFamily("pdwatch_ingest_refused",
-                                      "OTLP requests refused before reading: busy (429, too many in flight) or "
-                                      "memory (503, resident memory over PDWATCH_MAX_RSS_BYTES).", labels=["reason"])
+        refused = counter(c.INGEST_REFUSED)
         for reason, n in g.refused.items():
             refused.add_metric([reason], n)
         yield refused
-        errors = CounterMetricFamily("pdwatch_ingest_errors",
-                                     "OTLP requests answered 400 because applying their spans raised an "
-                                     "unexpected error (a pdwatch bug; the log has the traceback).")
-        errors.add_metric([], g.errors)
-        yield errors
+        yield counter(c.INGEST_ERRORS, g.errors)
         rss = read_rss_bytes(g.status_path)
         if rss is not None:
-            gauge = GaugeMetricFamily("pdwatch_sidecar_resident_memory_bytes",
-                                      "Resident memory of the sidecar process (VmRSS).")
-            gauge.add_metric([], rss)
-            yield gauge
-        limit = GaugeMetricFamily("pdwatch_sidecar_memory_limit_bytes",
-                                  "Resident memory above which ingest is refused with 503; 0 = no limit.")
-        limit.add_metric([], g.max_rss)
-        yield limit
+            yield gauge(c.RESIDENT_MEMORY, rss)
+        yield gauge(c.MEMORY_LIMIT, g.max_rss)

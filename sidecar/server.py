@@ -7,6 +7,8 @@ import gc
 import logging
 import sys
 
+from pdwatch import contract as c
+
 from .settings import Settings, add_arguments
 
 
@@ -66,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("pdwatch.sidecar")
     if settings.host not in ("127.0.0.1", "::1", "localhost") and not settings.token:
-        log.warning("listening on %s without PDWATCH_TOKEN: anyone who reaches it can send spans", settings.host)
+        log.warning("listening on %s without %s: anyone who reaches it can send spans", settings.host, c.ENV_TOKEN)
 
     import uvicorn  # imported late: `--help` and bad settings answer fast
 
@@ -74,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
     log.info("starting with %r", settings)
     if settings.nvml == "off":
-        log.info("GPU telemetry off (PDWATCH_NVML=off)")
+        log.info("GPU telemetry off (%s=off)", c.ENV_NVML)
     app = create_app(settings)
     tune_gc()
     tune_threads()

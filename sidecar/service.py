@@ -11,12 +11,15 @@ from typing import Any
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
+
+from pdwatch import contract as c
 
 from . import forward
 from .capture import StackCapture
 from .diagnosis.collector import DiagnosisCollector
 from .evaluation import Evaluation
+from .families import counter, gauge
 from .gpu.collector import GpuCollector
 from .gpu.join import parse_gpu_map
 from .gpu.sampler import GpuSampler
@@ -85,7 +88,7 @@ class Sidecar:
 
 
 class CaptureCollector:
-    """pdwatch_stack_captures_total{result}: what the stack capture did, and why it did not."""
+    """The stack captures by result: what the stack capture did, and why it did not."""
 
     def __init__(self, capture: StackCapture):
         self.capture = capture
@@ -94,9 +97,7 @@ class CaptureCollector:
         return iter(())
 
     def collect(self) -> Iterator[Metric]:
-        family = CounterMetricFamily("pdwatch_stack_captures", "Stack captures of engine processes, by result: "
-                                     "taken, failed, rate_limited, dropped (queue full), not_local (no PID of this "
-                                     "host).", labels=["result"])
+        family = counter(c.STACK_CAPTURES)
         for result, n in self.capture.counts.items():
             family.add_metric([result], n)
         yield family
@@ -113,8 +114,6 @@ class WorkerCollector:
 
     def collect(self) -> Iterator[Metric]:
         w = self.worker
-        yield CounterMetricFamily("pdwatch_judge_ticks", "Evaluations the judge made.", value=w.ticks)
-        yield CounterMetricFamily("pdwatch_judge_errors", "Judge ticks that raised (a pdwatch bug; see the log).",
-                                  value=w.tick_errors)
-        yield GaugeMetricFamily("pdwatch_judge_tick_seconds", "How long the latest judge tick took.",
-                                value=w.last_tick_s)
+        yield counter(c.JUDGE_TICKS, w.ticks)
+        yield counter(c.JUDGE_ERRORS, w.tick_errors)
+        yield gauge(c.JUDGE_TICK_SECONDS, w.last_tick_s)

@@ -1,11 +1,12 @@
 """Per-stage stuck thresholds that adapt to what the cluster normally does: the judge's rule.
 
-threshold(cluster, role, stage) = max(floor(stage), 3 x p99 of that stage's
-durations in the cluster over the last 10 minutes or 1,000 samples, whichever
-is fewer) -- contract section 5. The floor keeps a quiet cluster from paging on
-noise; the p99 term keeps a slow-but-healthy cluster from paging at all. The
-durations are the tracker's facts (`samples.StageSamples`); this reads them and
-never changes them, caching each p99 until its window changes.
+threshold(cluster, role, stage) = max(floor(stage), P99_FACTOR x p99 of that
+stage's durations in the cluster over the last THRESHOLD_WINDOW_S or
+THRESHOLD_SAMPLES samples, whichever is fewer) -- contract section 5, whose
+module fixes the three (3, 10 minutes, 1,000). The floor keeps a quiet cluster
+from paging on noise; the p99 term keeps a slow-but-healthy cluster from paging
+at all. The durations are the tracker's facts (`samples.StageSamples`); this
+reads them and never changes them, caching each p99 until its window changes.
 """
 
 from __future__ import annotations

@@ -18,6 +18,8 @@ import time
 import zlib
 from dataclasses import dataclass, field
 
+from pdwatch import contract as c
+
 from . import scenarios
 from .gpu_emulation import GpuEmulator
 from .stack import Stack
@@ -38,14 +40,14 @@ DEFAULT_WATCH_S = 12.0
 
 def sidecar_env(gpus: GpuEmulator | None, **extra: str) -> dict[str, str]:
     env = {
-        "PDWATCH_EVALUATE_INTERVAL_S": "0.25",
-        "PDWATCH_GPU_INTERVAL_S": "0.5",
-        "PDWATCH_FLOW_WINDOW_S": str(FLOW_WINDOW_S),
-        "PDWATCH_LOG_LEVEL": "warning",
-        **{f"PDWATCH_FLOOR_{stage.upper()}_S": str(v) for stage, v in FLOORS_S.items()},
+        c.ENV_EVALUATE_INTERVAL: "0.25",
+        c.ENV_GPU_INTERVAL: "0.5",
+        c.ENV_FLOW_WINDOW: str(FLOW_WINDOW_S),
+        c.ENV_LOG_LEVEL: "warning",
+        **{c.floor_env(stage): str(v) for stage, v in FLOORS_S.items()},
     }
-    env["PDWATCH_FLOOR_DECODE_S"] = str(LONG_DECODE_FLOOR_S)
-    env.update(gpus.env() if gpus is not None else {"PDWATCH_NVML": "off"})
+    env[c.floor_env("decode")] = str(LONG_DECODE_FLOOR_S)
+    env.update(gpus.env() if gpus is not None else {c.ENV_NVML: "off"})
     env.update(extra)
     return env
 

@@ -21,7 +21,9 @@ import uuid as uuidlib
 from pathlib import Path
 from typing import Any
 
-STATE_ENV = "PDWATCH_NVML_STUB_STATE"
+from pdwatch import contract as c
+
+STATE_ENV = c.ENV_NVML_STUB_STATE  # the stub (nvml_stub/) reads its state file from here
 # Built by `make nvml-stub` (and by make test / make demo).
 STUB_DIR = Path(__file__).resolve().parent.parent / "build" / "nvml"
 STUB_LIBRARY = STUB_DIR / "libnvidia-ml.so.1"
@@ -279,6 +281,6 @@ def _text(value: str, what: str) -> str:
     # One value per line in the state file, split on whitespace for single words.
     if not value or "\n" in value or "\r" in value or len(value) > 95:
         raise ValueError(f"{what} must be 1..95 characters on one line, not {value!r}")
-    if what in ("uuid", "error", "query", "driver") and any(c.isspace() for c in value):
+    if what in ("uuid", "error", "query", "driver") and any(ch.isspace() for ch in value):
         raise ValueError(f"{what} must not contain whitespace: {value!r}")
     return value

@@ -198,7 +198,7 @@ def _hang_rule(args):
     if over > 0:
         return lambda req: req.prompt_tokens > over
     if share > 0:
-        rng = random.Random(int(os.environ.get("PDWATCH_TESTBED_SEED", "1")))
+        rng = random.Random(int(os.environ.get(c.ENV_TESTBED_SEED, "1")))
         return lambda req: rng.random() < share
     return None
 

@@ -22,6 +22,8 @@ import time
 import weakref
 from pathlib import Path
 
+from pdwatch import contract as c
+
 from . import scenarios
 from .gpu_emulation import GpuEmulator
 from .gpu_feed import Feed, GpuFeed
@@ -217,10 +219,10 @@ class Stack(StackBase):
 
     def _engine_env(self, instance: str) -> dict[str, str]:
         return {
-            "PDWATCH_CLUSTER": self.cluster,
-            "PDWATCH_INSTANCE": instance,
-            "PDWATCH_HEARTBEAT_S": str(self.heartbeat_s),
-            "OTEL_EXPORTER_OTLP_ENDPOINT": self.otlp_endpoint,
+            c.ENV_CLUSTER: self.cluster,
+            c.ENV_INSTANCE: instance,
+            c.ENV_HEARTBEAT: str(self.heartbeat_s),
+            c.ENV_OTLP_ENDPOINT: self.otlp_endpoint,
             "UCX_NET_DEVICES": "lo",
             "UCX_TLS": "tcp,self,sm",
         }

@@ -93,7 +93,7 @@ def test_every_package_folder_is_mapped_into_the_namespace():
 SIDECAR_ROOMS = {
     # Parts that belong to no one data flow: settings, the GPU sampler and its join, stores with
     # their own locks, the classifier's inputs.
-    "base": {"settings", "auth", "worker", "overload", "capture", "gpu.sampler", "gpu.join",
+    "base": {"settings", "auth", "worker", "overload", "capture", "families", "gpu.sampler", "gpu.join",
              "diagnosis.facts", "diagnosis", "gpu"},  # the last two: empty package files
     # The one writer and the facts it keeps.
     "facts": {"tracker", "model", "samples", "durations", "spans", "otlp_body"},

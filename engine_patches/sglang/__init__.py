@@ -11,11 +11,13 @@ from __future__ import annotations
 import logging
 import os
 
+from pdwatch import contract as c
+
 from . import targets
 
 log = logging.getLogger("pdwatch.sglang")
 
-ENABLE_ENV = "PDWATCH_SGLANG"
+ENABLE_ENV = c.ENV_SGLANG
 
 # What the last plugin() call did, for logs and tests: "disabled", "off",
 # "registered".

@@ -15,6 +15,8 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from pdwatch import contract as c
+
 if TYPE_CHECKING:
     from pdwatch.engine_patches.recorder import Recorder
 
@@ -234,8 +236,8 @@ def _sglang_version() -> str:
 
 def gpu_uuids(gpu_id: int | None) -> list[str]:
     """NVML-style UUIDs (GPU-...) of the device this process drives, when CUDA is there."""
-    if os.environ.get("PDWATCH_GPU_UUIDS"):
-        return [u.strip() for u in os.environ["PDWATCH_GPU_UUIDS"].split(",") if u.strip()]
+    if os.environ.get(c.ENV_GPU_UUIDS):
+        return [u.strip() for u in os.environ[c.ENV_GPU_UUIDS].split(",") if u.strip()]
     try:
         import torch
 

@@ -1,14 +1,15 @@
-"""pdwatch_suspected_failure{cluster, family}: 1 for each family the judge's diagnosis suspects."""
+"""The suspected failure families, 1 for each the judge's diagnosis suspects, and its confidence in each."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 
 from pdwatch import contract as c
 
 from ..evaluation import Evaluation
+from ..families import gauge
 from .facts import REPORT_AT
 
 
@@ -21,12 +22,7 @@ class DiagnosisCollector:
 
     def collect(self) -> Iterator[Metric]:
         ev = self._latest()
-        family = GaugeMetricFamily(c.SUSPECTED_FAILURE.name,
-                                   "1 when the diagnosis suspects this failure family in the cluster.",
-                                   labels=list(c.SUSPECTED_FAILURE.labels))
-        confidence = GaugeMetricFamily("pdwatch_diagnosis_confidence",
-                                       "Confidence (0..1) of each failure family the diagnosis considered.",
-                                       labels=[c.L_CLUSTER, c.L_FAMILY])
+        family, confidence = gauge(c.SUSPECTED_FAILURE), gauge(c.DIAGNOSIS_CONFIDENCE)
         for cluster, found in sorted(ev.confidences.items()):
             for name in c.FAMILIES:  # every family, so a cleared suspicion reads 0 rather than vanishing
                 value = found.get(name, 0.0)

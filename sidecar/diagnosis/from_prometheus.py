@@ -45,12 +45,27 @@ def _query(client: httpx.Client, expr: str) -> Rows:
     return [(item["metric"], float(item["value"][1])) for item in api_result(client, "/api/v1/query", {"query": expr})]
 
 
+def _label(m: dict[str, str], name: str) -> str:
+    # Prometheus leaves out a label whose value is empty; the name itself is a contract constant.
+    return m.get(name, "")
+
+
+def _agg(op: str, metric: c.Metric, *labels: str, select: str = "") -> str:
+    """`op by (labels) (metric)`; a label the metric does not carry raises (Metric.by), so a wrong name
+    fails here instead of every row reading the label as empty."""
+    return f"{op} by ({metric.by(*labels)}) ({metric.series}{select})"
+
+
+PER_INSTANCE = (c.L_CLUSTER, c.L_INSTANCE)
+PER_STAGE = (c.L_CLUSTER, c.L_ROLE, c.L_STAGE)
+
+
 def gather(url: str, *, timeout_s: float = 10.0, headers: dict[str, str] | None = None,
            window_s: float = FLOW_WINDOW_S) -> list[ClusterFacts]:
     with httpx.Client(base_url=url.rstrip("/"), timeout=timeout_s, headers=headers) as client:
         q: Callable[[str], Rows] = lambda expr: _query(client, expr)  # noqa: E731
         window = f"{int(window_s)}s"
-        inst_key: Callable[[dict[str, str]], tuple[str, str]] = lambda m: (m.get("cluster", ""), m.get("pd_instance", ""))  # noqa: E731
+        inst_key: Callable[[dict[str, str]], tuple[str, str]] = lambda m: (_label(m, c.L_CLUSTER), _label(m, c.L_INSTANCE))  # noqa: E731
         instances: dict[tuple[str, str], InstanceFacts] = {}
         clusters: dict[str, ClusterFacts] = {}
 
@@ -59,13 +74,13 @@ def gather(url: str, *, timeout_s: float = 10.0, headers: dict[str, str] | None 
                 clusters[name] = ClusterFacts(name, float(window_s), 0, 0)
             return clusters[name]
 
-        for m, v in q("max by (cluster, role, pd_instance) (pdwatch_instance_up)"):
+        for m, v in q(_agg("max", c.INSTANCE_UP, *c.INSTANCE_KEY)):
             instances[inst_key(m)] = InstanceFacts(
-                pd_instance=m.get("pd_instance", ""), role=m.get("role", ""), up=v >= 1, heartbeat_age_s=None,
+                pd_instance=_label(m, c.L_INSTANCE), role=_label(m, c.L_ROLE), up=v >= 1, heartbeat_age_s=None,
                 loop_stalled=False, start_time_s=None, restarts=0, last_restart_age_s=None,
                 finished_ok_recent=0, open_legs=0,
             )
-            cluster(m.get("cluster", ""))
+            cluster(_label(m, c.L_CLUSTER))
 
         def each(expr: str) -> Iterator[tuple[dict[str, str], float, InstanceFacts]]:
             for m, v in q(expr):
@@ -73,51 +88,54 @@ def gather(url: str, *, timeout_s: float = 10.0, headers: dict[str, str] | None 
                 if inst is not None:
                     yield m, v, inst
 
-        for _m, v, inst in each("max by (cluster, pd_instance) (pdwatch_instance_heartbeat_age_seconds)"):
+        for _m, v, inst in each(_agg("max", c.HEARTBEAT_AGE, *PER_INSTANCE)):
             inst.heartbeat_age_s = v
-        for _m, v, inst in each("max by (cluster, pd_instance) (pdwatch_engine_loop_stalled)"):
+        for _m, v, inst in each(_agg("max", c.LOOP_STALLED, *PER_INSTANCE)):
             inst.loop_stalled = v >= 1
-        for _m, v, inst in each("max by (cluster, pd_instance) (pdwatch_instance_start_time_seconds)"):
+        for _m, v, inst in each(_agg("max", c.INSTANCE_START, *PER_INSTANCE)):
             inst.start_time_s = v
-        for _m, v, inst in each("max by (cluster, pd_instance) (pdwatch_instance_restarts_total)"):
+        for _m, v, inst in each(_agg("max", c.INSTANCE_RESTARTS, *PER_INSTANCE)):
             inst.restarts = int(v)
         # The current process started at the latest restart.
-        for _m, v, inst in each("max by (cluster, pd_instance) (time() - pdwatch_instance_start_time_seconds)"):
+        start = c.INSTANCE_START
+        for _m, v, inst in each(f"max by ({start.by(*PER_INSTANCE)}) (time() - {start.series})"):
             inst.last_restart_age_s = v if inst.restarts else None
-        for _m, v, inst in each("sum by (cluster, pd_instance) (increase(pdwatch_requests_finished_total"
-                                f"{{outcome=\"ok\"}}[{window}]))"):
+        ok = f'{{{c.L_OUTCOME}="ok"}}[{window}]'
+        for _m, v, inst in each(f"sum by ({c.FINISHED.by(*PER_INSTANCE)}) (increase({c.FINISHED.series}{ok}))"):
             inst.finished_ok_recent = int(round(v))
-        for _m, v, inst in each("sum by (cluster, pd_instance) (pdwatch_inflight_requests)"):
+        for _m, v, inst in each(_agg("sum", c.INFLIGHT, *PER_INSTANCE)):
             inst.open_legs = int(v)
-        for m, v, inst in each("sum by (cluster, role, stage, pd_instance) (pdwatch_stuck_requests) > 0"):
-            inst.stuck[m.get("stage", "")] = int(v)
+        for m, v, inst in each(_agg("sum", c.STUCK, *c.LEG_GROUP) + " > 0"):
+            inst.stuck[_label(m, c.L_STAGE)] = int(v)
         # Contract section 5b: the frozen loops and the legs stuck on evidence.
-        for _m, v, inst in each("max by (cluster, pd_instance) (pdwatch_engine_loop_frozen)"):
+        for _m, v, inst in each(_agg("max", c.LOOP_FROZEN, *PER_INSTANCE)):
             inst.loop_frozen = v >= 1
-        evidence = "sum by (cluster, role, stage, pd_instance, reason) (pdwatch_stuck_evidence_requests) > 0"
-        for m, v, inst in each(evidence):
-            reason = m.get("reason", "")
+        for m, v, inst in each(_agg("sum", c.STUCK_EVIDENCE, *c.LEG_GROUP, c.L_REASON) + " > 0"):
+            reason = _label(m, c.L_REASON)
             inst.evidence[reason] = inst.evidence.get(reason, 0) + int(v)
-            cf = cluster(m.get("cluster", ""))
-            key = (m.get("role", ""), m.get("stage", ""), reason)
+            cf = cluster(_label(m, c.L_CLUSTER))
+            key = (_label(m, c.L_ROLE), _label(m, c.L_STAGE), reason)
             cf.evidence[key] = cf.evidence.get(key, 0) + int(v)
-        for m, v in q("max by (cluster, role, stage) (pdwatch_oldest_stage_age_seconds) and on (cluster, role, stage) "
-                      "sum by (cluster, role, stage) (pdwatch_stuck_requests) > 0"):
-            cluster(m.get("cluster", "")).oldest_stuck_age_s[(m.get("role", ""), m.get("stage", ""))] = v
-        for m, v in q("max by (cluster, role, stage) (pdwatch_stuck_threshold_seconds)"):
-            cluster(m.get("cluster", "")).thresholds_s[(m.get("role", ""), m.get("stage", ""))] = v
+        for m, v in q(f"{_agg('max', c.OLDEST_AGE, *PER_STAGE)} and on ({c.STUCK.by(*PER_STAGE)}) "
+                      f"{_agg('sum', c.STUCK, *PER_STAGE)} > 0"):
+            cluster(_label(m, c.L_CLUSTER)).oldest_stuck_age_s[(_label(m, c.L_ROLE), _label(m, c.L_STAGE))] = v
+        for m, v in q(_agg("max", c.THRESHOLD, *PER_STAGE)):
+            cluster(_label(m, c.L_CLUSTER)).thresholds_s[(_label(m, c.L_ROLE), _label(m, c.L_STAGE))] = v
         gpus: dict[tuple[str, str, str], GpuFacts] = {}
-        for name, field in (("pdwatch_gpu_utilization_ratio", "utilization"), ("pdwatch_gpu_power_watts", "power_w"),
-                            ("pdwatch_gpu_power_limit_watts", "power_limit_w")):
-            for m, v in q(f'{name}{{pd_instance!=""}}'):
-                key = (m.get("cluster", ""), m.get("pd_instance", ""), m.get("uuid", "") or m.get("gpu", ""))
-                g = gpus.setdefault(key, GpuFacts(m.get("gpu", ""), m.get("uuid", ""), None, None, None))
+        for metric, field in ((c.GPU_UTILIZATION, "utilization"), (c.GPU_POWER, "power_w"),
+                              (c.GPU_POWER_LIMIT, "power_limit_w")):
+            for m, v in q(f'{metric.series}{{{c.L_INSTANCE}!=""}}'):
+                gpu, uuid = _label(m, c.L_GPU), _label(m, c.L_UUID)
+                key = (_label(m, c.L_CLUSTER), _label(m, c.L_INSTANCE), uuid or gpu)
+                g = gpus.setdefault(key, GpuFacts(gpu, uuid, None, None, None))
                 setattr(g, field, v)
         for (cl, name, _u), g in sorted(gpus.items()):
             holder = instances.get((cl, name))
             if holder is not None:
                 holder.gpus.append(g)
-        telemetry = {m.get("cluster", ""): v for m, v in q("max by (cluster) (pdwatch_gpu_telemetry_up)")}
+        # The telemetry gauge has no labels of its own: `cluster` is a target label where the scrape sets one.
+        up = q(f"max by ({c.L_CLUSTER}) ({c.GPU_TELEMETRY_UP.series})")
+        telemetry = {_label(m, c.L_CLUSTER): v for m, v in up}
         any_up = any(v >= 1 for v in telemetry.values())
         for (cl, _name), inst in sorted(instances.items()):
             cf = cluster(cl)
@@ -132,15 +150,16 @@ def gather(url: str, *, timeout_s: float = 10.0, headers: dict[str, str] | None 
 
 def contrasts(url: str, *, timeout_s: float = 10.0,
               headers: dict[str, str] | None = None) -> dict[str, list[dict[str, Any]]]:
-    """Per cluster, what the sidecars say sets its stuck legs apart (pdwatch_stuck_contrast_ratio), best first."""
+    """Per cluster, what the sidecars say sets its stuck legs apart (the contrast gauge), best first."""
     with httpx.Client(base_url=url.rstrip("/"), timeout=timeout_s, headers=headers) as client:
-        rows = _query(client, "max by (cluster, attribute, value, legs) (pdwatch_stuck_contrast_ratio)")
+        rows = _query(client, _agg("max", c.STUCK_CONTRAST, *c.STUCK_CONTRAST.labels))
     items: dict[tuple[str, str, str], dict[str, Any]] = {}
     for m, v in rows:
-        key = (m.get("cluster", ""), m.get("attribute", ""), m.get("value", ""))
+        key = (_label(m, c.L_CLUSTER), _label(m, c.L_ATTRIBUTE), _label(m, c.L_VALUE))
         item = items.setdefault(key, {"attribute": key[1], "value": key[2], "stuck": 0.0, "flowing": 0.0})
-        if m.get("legs") in ("stuck", "flowing"):
-            item[m["legs"]] = v
+        legs = _label(m, c.L_LEGS)
+        if legs in ("stuck", "flowing"):
+            item[legs] = v
     out: dict[str, list[dict[str, Any]]] = {}
     for (cluster, _a, _v), item in items.items():
         item["separation"] = round(item["stuck"] - item["flowing"], 3)

@@ -2,7 +2,7 @@
 
 Fresh metric families on every scrape, built from the judge's evaluation,
 which joined the sampler's latest pass to the instances once; nothing here
-talks to NVML. With telemetry down only `pdwatch_gpu_telemetry_up 0` is
+talks to NVML. With telemetry down only the telemetry-up gauge, at 0, is
 exposed, so no stale GPU figure survives it.
 """
 
@@ -15,11 +15,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from pdwatch import contract as c
 
 from ..evaluation import Evaluation
-
-# pdwatch's additions.
-GPU_DEVICE_ERRORS = "pdwatch_gpu_device_errors"
-GPU_INFO = "pdwatch_gpu_info"
-GPU_LAST_SAMPLE = "pdwatch_gpu_last_sample_timestamp_seconds"
+from ..families import gauge
 
 
 class GpuCollector:
@@ -57,14 +53,5 @@ class GpuCollector:
 
     @staticmethod
     def _families() -> tuple[GaugeMetricFamily, ...]:
-        labels = list(c.GPU_KEY)
-        return (
-            GaugeMetricFamily(c.GPU_TELEMETRY_UP.name, "1 while NVML answers and GPUs are sampled, else 0 (the reason is in /healthz and the logs).", labels=[]),
-            GaugeMetricFamily(c.GPU_UTILIZATION.name, "Fraction of the last sample period in which a kernel ran on the GPU (NVML utilization).", labels=labels),
-            GaugeMetricFamily(c.GPU_POWER.name, "GPU power draw in watts.", labels=labels),
-            GaugeMetricFamily(c.GPU_POWER_LIMIT.name, "GPU enforced power limit in watts.", labels=labels),
-            GaugeMetricFamily(c.GPU_MEMORY_USED.name, "GPU memory in use, in bytes.", labels=labels),
-            GaugeMetricFamily(GPU_DEVICE_ERRORS, "1 for each NVML query that failed on this GPU in the last pass, labelled with the query and NVML's error.", labels=[*labels, "query", "error"]),
-            GaugeMetricFamily(GPU_INFO, "1 per GPU; names the device and how its owner was found: uuid, pid, config, none, or uuid/pid/config_last_known for a failing device that no longer says.", labels=[*labels, "name", "joined_by"]),
-            GaugeMetricFamily(GPU_LAST_SAMPLE, "Unix time of the last completed GPU sampling pass.", labels=[]),
-        )
+        return tuple(gauge(m) for m in (c.GPU_TELEMETRY_UP, c.GPU_UTILIZATION, c.GPU_POWER, c.GPU_POWER_LIMIT,
+                                        c.GPU_MEMORY_USED, c.GPU_DEVICE_ERRORS, c.GPU_INFO, c.GPU_LAST_SAMPLE))

@@ -25,6 +25,8 @@ import weakref
 from dataclasses import astuple
 from pathlib import Path
 
+from pdwatch import contract as c
+
 from ..processes import EngineStartError, PortInUse, free_port
 from ..router import LoadGenerator
 from ..scenarios import Params
@@ -122,16 +124,16 @@ class SglangStack(StackBase):
     def _env(self, instance: str) -> dict[str, str]:
         env = {
             **BASE_ENV,
-            "PDWATCH_TESTBED_STATE_DIR": str(self.state_dir),
-            "PDWATCH_CLUSTER": self.cluster,
-            "PDWATCH_INSTANCE": instance,
-            "PDWATCH_HEARTBEAT_S": str(self.heartbeat_s),
-            "OTEL_EXPORTER_OTLP_ENDPOINT": self.otlp_endpoint,
+            c.ENV_TESTBED_STATE_DIR: str(self.state_dir),
+            c.ENV_CLUSTER: self.cluster,
+            c.ENV_INSTANCE: instance,
+            c.ENV_HEARTBEAT: str(self.heartbeat_s),
+            c.ENV_OTLP_ENDPOINT: self.otlp_endpoint,
             # pdwatch's plugin and the testbed's CPU support; nothing else SGLang may find.
             "SGLANG_PLUGINS": "pdwatch,pdwatch_testbed_cpu" if self.plugin else "pdwatch_testbed_cpu",
         }
         if self.plugin:
-            env["PDWATCH_SGLANG"] = "1"
+            env[c.ENV_SGLANG] = "1"
         return env
 
     def _server(self, instance: str, role: str, ports: ServerPorts) -> SglangServer:

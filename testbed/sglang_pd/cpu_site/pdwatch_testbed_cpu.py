@@ -36,9 +36,11 @@ import os
 import threading
 import time
 
+from pdwatch import contract as c
+
 log = logging.getLogger("pdwatch.testbed.cpu")
 
-STATE_DIR_ENV = "PDWATCH_TESTBED_STATE_DIR"
+STATE_DIR_ENV = c.ENV_TESTBED_STATE_DIR
 FAULT_FILE = "faults.json"
 PROGRESS_DELAY_US = 1000
 # A wedged transfer's state is read in SGLang's spin loop (time.sleep(0)); the
@@ -83,7 +85,7 @@ class _Freeze:
     """Whether this process's instance is frozen, read from the fault file at most every 0.2 s."""
 
     def __init__(self) -> None:
-        self.instance = os.environ.get("PDWATCH_INSTANCE", "")
+        self.instance = os.environ.get(c.ENV_INSTANCE, "")
         self._checked = 0.0
         self._frozen = False
 
@@ -113,7 +115,7 @@ def _report_agent(result, self, *args, **kwargs):
     folder = _state_dir()
     if folder is None:
         return
-    instance = os.environ.get("PDWATCH_INSTANCE", f"pid-{os.getpid()}")
+    instance = os.environ.get(c.ENV_INSTANCE, f"pid-{os.getpid()}")
     info = {"instance": instance, "agent": self.agent.name, "rank_port": int(self.rank_port),
             "pid": os.getpid(), "t": time.time()}
     path = os.path.join(folder, f"agent-{instance}.json")
