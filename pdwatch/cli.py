@@ -27,9 +27,15 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in SUBCOMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
+    parser.add_argument("--version", action="store_true", help="print pdwatch's version and exit")
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0 if argv else 2
+    if argv[0] == "--version":
+        from pdwatch import contract as c
+
+        print(f"pdwatch {c.package_version()}")
+        return 0
     name, rest = argv[0], argv[1:]
     if name not in SUBCOMMANDS:
         parser.error(f"unknown command {name!r} (choose from {', '.join(SUBCOMMANDS)})")

@@ -25,6 +25,8 @@ import weakref
 from dataclasses import astuple
 from pathlib import Path
 
+from pdwatch import contract as c
+
 from ..processes import EngineStartError, PortInUse, free_port
 from ..router import LoadGenerator
 from ..scenarios import Params
@@ -55,7 +57,7 @@ class SglangStack(StackBase):
     def __init__(
         self,
         scenario: str,
-        otlp_endpoint: str = "http://127.0.0.1:4318",
+        otlp_endpoint: str = c.DEFAULT_SIDECAR_URL,
         heartbeat_s: float = 1.0,
         rate: float = 2.0,
         restart_at: float = 10.0,
