@@ -11,7 +11,7 @@ SUBCOMMANDS = {
     "serve": ("pdwatch.sidecar.server", "run the sidecar: OTLP ingest, stuck detection, metrics and API"),
     "trace": ("pdwatch.trace", "draw both legs of one request as a waterfall; write it as a Jaeger UI JSON file"),
     "diagnose": ("pdwatch.diagnose", "name the failure family behind stuck requests, from a sidecar or Prometheus"),
-    "report": ("pdwatch.report", "write an incident report (HTML and PNG plots) from Prometheus or a sidecar's history"),
+    "report": ("pdwatch.report.cli", "write an incident report (HTML and PNG plots) from Prometheus or a sidecar's history"),
     "demo": ("pdwatch.demo", "run the incident in the testbed, watched by a sidecar, and report it"),
     "testbed": ("pdwatch.testbed.cli", "run the PD testbed alone (prefill and decode over NIXL, with faults)"),
     "dashboards": ("pdwatch.dashboards.cli", "generate the Grafana dashboards, or push them to a Grafana server"),
