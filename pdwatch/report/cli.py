@@ -9,7 +9,7 @@ own words (over Prometheus, as it reads at the worst moment; from a sidecar, its
 latest), and the oldest stuck traces, linked to a trace store with `--trace-url`.
 
     pdwatch report --prometheus http://127.0.0.1:9090 --from 2h --to 1h30m --out incident-42
-    pdwatch report --sidecar http://127.0.0.1:4318 --trace-url 'https://jaeger.example/trace/{trace_id}'
+    pdwatch report --sidecar http://node-7:4318 --trace-url 'https://jaeger.example/trace/{trace_id}'
 """
 
 from __future__ import annotations
