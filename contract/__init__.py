@@ -194,8 +194,24 @@ ENV_OTLP_ENDPOINT = "OTEL_EXPORTER_OTLP_ENDPOINT"
 ENGINE_ENV = (ENV_HEARTBEAT, ENV_INVENTORY_MAX, ENV_CLUSTER, ENV_INSTANCE, ENV_OTLP_ENDPOINT)
 # The SGLang plugin's own: its switch, and GPU UUIDs for a process that cannot read its own.
 ENV_SGLANG, ENV_GPU_UUIDS = "PDWATCH_SGLANG", "PDWATCH_GPU_UUIDS"
-# The client commands' (diagnose, trace, report) beside ENV_TOKEN and ENV_FLOW_WINDOW.
-ENV_SIDECAR, ENV_TRACE_URL = "PDWATCH_SIDECAR", "PDWATCH_TRACE_URL"
+# Client commands (`pdwatch diagnose`, `trace`, `report`: pdwatch/settings.py), beside ENV_TOKEN.
+# The sidecar's address as engines and clients reach it by default (written nowhere else).
+DEFAULT_SIDECAR_URL = f"http://{DEFAULT_HOST}:{DEFAULT_PORT}"
+ENV_SIDECAR, ENV_PROMETHEUS = "PDWATCH_SIDECAR", "PDWATCH_PROMETHEUS"
+ENV_PROMETHEUS_HEADERS, ENV_TIMEOUT = "PDWATCH_PROMETHEUS_HEADERS", "PDWATCH_TIMEOUT_S"
+ENV_TRACE_URL = "PDWATCH_TRACE_URL"
+CLIENT_ENV = (ENV_SIDECAR, ENV_TOKEN, ENV_PROMETHEUS, ENV_PROMETHEUS_HEADERS, ENV_TIMEOUT, ENV_TRACE_URL)
+DISTRIBUTION = "pdwatch"
+
+
+def package_version() -> str:
+    """The installed distribution's version: pyproject.toml is its one source."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(DISTRIBUTION)
+    except PackageNotFoundError:  # a source tree run without installing it
+        return "0+unknown"
 # The testbed's, for the processes it starts: the NVML stub's state file, the SGLang servers'
 # state folder, the emulated engines' random seed.
 ENV_NVML_STUB_STATE = "PDWATCH_NVML_STUB_STATE"

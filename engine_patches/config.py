@@ -109,7 +109,7 @@ class RecorderConfig:
         env = os.environ if environ is None else environ
         if self.role not in c.ROLES:
             raise ValueError(f"role must be one of {', '.join(c.ROLES)}, not {self.role!r}")
-        endpoint = self.endpoint or env.get(c.ENV_OTLP_ENDPOINT) or "http://127.0.0.1:4318"
+        endpoint = self.endpoint or env.get(c.ENV_OTLP_ENDPOINT) or c.DEFAULT_SIDECAR_URL
         return replace(
             self,
             cluster=self.cluster or env.get(c.ENV_CLUSTER) or "default",

@@ -11,7 +11,7 @@ SUBCOMMANDS = {
     "serve": ("pdwatch.sidecar.server", "run the sidecar: OTLP ingest, stuck detection, metrics and API"),
     "trace": ("pdwatch.trace", "draw both legs of one request as a waterfall; write it as a Jaeger UI JSON file"),
     "diagnose": ("pdwatch.diagnose", "name the failure family behind stuck requests, from a sidecar or Prometheus"),
-    "report": ("pdwatch.report", "write an incident report (HTML and PNG plots) from Prometheus or a sidecar's history"),
+    "report": ("pdwatch.report.cli", "write an incident report (HTML and PNG plots) from Prometheus or a sidecar's history"),
     "demo": ("pdwatch.demo", "run the incident in the testbed, watched by a sidecar, and report it"),
     "testbed": ("pdwatch.testbed.cli", "run the PD testbed alone (prefill and decode over NIXL, with faults)"),
     "dashboards": ("pdwatch.dashboards.cli", "generate the Grafana dashboards, or push them to a Grafana server"),
@@ -27,9 +27,15 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in SUBCOMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
+    parser.add_argument("--version", action="store_true", help="print pdwatch's version and exit")
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0 if argv else 2
+    if argv[0] == "--version":
+        from pdwatch import contract as c
+
+        print(f"pdwatch {c.package_version()}")
+        return 0
     name, rest = argv[0], argv[1:]
     if name not in SUBCOMMANDS:
         parser.error(f"unknown command {name!r} (choose from {', '.join(SUBCOMMANDS)})")

@@ -16,7 +16,6 @@ what the testbed knows is hung, diagnosed it and paged; anything else says why.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -148,13 +147,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _report(args, sidecar, monitoring, started: float) -> None:
     """The run's incident report, from Prometheus when it ran (alert state included), else the sidecar."""
-    from pdwatch.report import write_report
-
-    source = {"prometheus": monitoring.prometheus_url} if monitoring is not None else {"sidecar": sidecar.url}
     try:
-        page = write_report(args.report_dir, **source, start=started - 5, end=time.time(),
-                            title=f"pdwatch demo: {args.engine} {args.scenario}")
-    except (RuntimeError, OSError, ImportError) as exc:  # the report is extra: the verdict above stands
+        from pdwatch.report.write import write_report
+        from pdwatch.settings import ClientSettings
+
+        source = {"prometheus": monitoring.prometheus_url} if monitoring is not None else {"sidecar": sidecar.url}
+        page = write_report(args.report_dir, ClientSettings.from_sources(source), start=started - 5,
+                            end=time.time(), title=f"pdwatch demo: {args.engine} {args.scenario}")
+    except (RuntimeError, ValueError, OSError, ImportError) as exc:  # the report is extra: the verdict above stands
         print(f"incident report not written: {exc}")
         return
     print(f"incident report: {page} (PNG plots beside it)")
@@ -279,7 +279,3 @@ def _await_page(args, stack, sidecar, monitoring, fault_at) -> int:
     print(f"FAIL: no page within {args.page_timeout_s:.0f} s of the fault")
     return 1
 
-
-if __name__ == "__main__":
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    sys.exit(main())

@@ -9,29 +9,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
+from typing import Any
 
-import httpx
+from pdwatch import contract as c
+from pdwatch import settings as client
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="pdwatch diagnose", description=__doc__.splitlines()[0])
-    src = ap.add_mutually_exclusive_group()
-    src.add_argument("--sidecar", metavar="URL", default=None,
-                     help="a sidecar's base URL (default http://127.0.0.1:4318)")
-    src.add_argument("--prometheus", metavar="URL", help="a Prometheus base URL that scrapes the sidecars")
+    ap = argparse.ArgumentParser(prog="pdwatch diagnose", description=(__doc__ or "").splitlines()[0])
+    client.add_arguments(ap.add_mutually_exclusive_group(), "sidecar", "prometheus",
+                         notes={"prometheus": "read instead of the sidecar when set"})
     ap.add_argument("--cluster", help="only this cluster")
     ap.add_argument("--json", action="store_true", help="print the verdicts as JSON")
-    ap.add_argument("--token", default=os.environ.get("PDWATCH_TOKEN"),
-                    help="bearer token for the sidecar [env PDWATCH_TOKEN]")
-    ap.add_argument("--timeout-s", type=float, default=10.0)
+    client.add_arguments(ap, "token", "prometheus_headers", "timeout_s")
     ap.add_argument("--flow-window-s", type=float, default=None,
-                    help="with --prometheus: the sidecars' flow window [env PDWATCH_FLOW_WINDOW_S, default 60]")
+                    help=f"with --prometheus: the sidecars' flow window [env {c.ENV_FLOW_WINDOW}, "
+                         f"default {c.DEFAULT_FLOW_WINDOW_S:g}]")
     return ap
 
 
-def render(verdicts: list[dict]) -> str:
+def render(verdicts: list[dict[str, Any]]) -> str:
     if not verdicts:
         return "no cluster reports to pdwatch yet"
     out = []
@@ -64,40 +62,43 @@ def render(verdicts: list[dict]) -> str:
     return "\n".join(out)
 
 
-def _ratio_sentence(x: dict) -> str:
+def _ratio_sentence(x: dict[str, Any]) -> str:
     return (f"{x['attribute']} {x['value']}: {x['stuck'] * 100:.0f} % of stuck legs, "
             f"{x['flowing'] * 100:.0f} % of flowing legs")
 
 
-def fetch(args) -> list[dict]:
-    if args.prometheus:
+def fetch(settings: client.ClientSettings, flow_window_s: float) -> list[dict[str, Any]]:
+    """Every cluster's verdict: the classifier over Prometheus when it is set, else the sidecar's own."""
+    if settings.prometheus:
         from pdwatch.sidecar.diagnosis.classify import verdict
         from pdwatch.sidecar.diagnosis.from_prometheus import contrasts, gather
 
-        facts = gather(args.prometheus, timeout_s=args.timeout_s, window_s=args.flow_window_s)
-        shown = contrasts(args.prometheus, timeout_s=args.timeout_s)
+        url, timeout_s, headers = settings.prometheus, settings.timeout_s, settings.prometheus_headers
+        facts = gather(url, timeout_s=timeout_s, headers=headers, window_s=flow_window_s)
+        shown = contrasts(url, timeout_s=timeout_s, headers=headers)
         return [{**verdict(f), "contrast": shown.get(f.cluster, [])} for f in facts]
-    url = (args.sidecar or "http://127.0.0.1:4318").rstrip("/")
-    headers = {"Authorization": f"Bearer {args.token}"} if args.token else None
-    r = httpx.get(f"{url}/api/v1/diagnosis", timeout=args.timeout_s, headers=headers)
-    if r.status_code != 200:
-        raise RuntimeError(f"{url}/api/v1/diagnosis answered {r.status_code}: {r.text[:200]}")
-    return r.json()
+    from pdwatch.client import SidecarClient
+
+    with SidecarClient(settings) as sidecar:
+        verdicts: list[dict[str, Any]] = sidecar.get(c.PATH_DIAGNOSIS)
+    return verdicts
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.flow_window_s is None:
-        from pdwatch.sidecar.settings import Settings
-
-        try:  # the sidecars' own setting, so the cluster-wide verdict judges flow as they do
-            args.flow_window_s = Settings.from_sources({}).flow_window_s
-        except ValueError as exc:
-            print(f"pdwatch diagnose: {exc}", file=sys.stderr)
-            return 2
     try:
-        verdicts = fetch(args)
-    except (httpx.HTTPError, RuntimeError) as exc:
+        settings = client.ClientSettings.from_sources(vars(args))
+        if args.flow_window_s is None:
+            from pdwatch.sidecar.settings import Settings
+
+            # The sidecars' own setting, so the cluster-wide verdict judges flow as they do.
+            args.flow_window_s = Settings.from_sources({}).flow_window_s
+    except ValueError as exc:
+        print(f"pdwatch diagnose: {exc}", file=sys.stderr)
+        return 2
+    try:
+        verdicts = fetch(settings, args.flow_window_s)
+    except RuntimeError as exc:  # SidecarError, PrometheusError
         print(f"pdwatch diagnose: {exc}", file=sys.stderr)
         return 2
     if args.cluster:
@@ -105,7 +106,3 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(verdicts, indent=2) if args.json else render(verdicts))
     # Exit 1 when something is suspected, so scripts can branch on it.
     return 1 if any(v.get("family") for v in verdicts) else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -11,15 +11,15 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import re
 import shutil
 import sys
 from dataclasses import dataclass
-
-import httpx
+from typing import Any
 
 from pdwatch import contract as c
+from pdwatch import settings as client
+from pdwatch.client import SidecarClient, SidecarError
 
 TRACE_ID = re.compile(r"^[0-9a-fA-F]{32}$")
 LABEL_W = 24  # the stage / leg column
@@ -42,7 +42,7 @@ class Row:
     is_leg: bool = False
 
 
-def _now(detail: dict) -> float | None:
+def _now(detail: dict[str, Any]) -> float | None:
     """The sidecar's "now" in engine time: an open leg's stage entry plus its age."""
     nows = [leg["stage_since_unix_s"] + leg["stage_age_s"] for leg in detail["legs"]
             if leg.get("state") == "open" and leg.get("stage_since_unix_s") is not None
@@ -50,7 +50,7 @@ def _now(detail: dict) -> float | None:
     return max(nows) if nows else None
 
 
-def rows(detail: dict) -> list[Row]:
+def rows(detail: dict[str, Any]) -> list[Row]:
     """Every leg and stage of a request detail, open stages ending at now."""
     now = _now(detail)
     out: list[Row] = []
@@ -102,7 +102,7 @@ def _note(row: Row) -> str:
     return text
 
 
-def render(detail: dict, width: int = 100, ascii_only: bool = False) -> str:
+def render(detail: dict[str, Any], width: int = 100, ascii_only: bool = False) -> str:
     """The waterfall as text, `width` columns wide."""
     all_rows = rows(detail)
     tid = detail["trace_id"]
@@ -142,7 +142,7 @@ def render(detail: dict, width: int = 100, ascii_only: bool = False) -> str:
 # type one of string, bool, int64, float64 (Jaeger's model/json KeyValue).
 
 
-def _tag(key: str, value) -> dict:
+def _tag(key: str, value: object) -> dict[str, Any]:
     if isinstance(value, bool):
         return {"key": key, "type": "bool", "value": value}
     if isinstance(value, int):
@@ -152,7 +152,7 @@ def _tag(key: str, value) -> dict:
     return {"key": key, "type": "string", "value": str(value)}
 
 
-def _synthetic_id(*parts) -> str:
+def _synthetic_id(*parts: object) -> str:
     """A stable span id for what the API reports without one (stages, pd.stuck)."""
     return hashlib.sha256("/".join(map(str, parts)).encode()).hexdigest()[:16]
 
@@ -161,10 +161,11 @@ def _us(seconds: float) -> int:
     return int(round(seconds * 1e6))
 
 
-def jaeger_json(detail: dict, family: dict[str, str] | None = None) -> dict:
+def jaeger_json(detail: dict[str, Any], family: dict[str, str] | None = None) -> dict[str, Any]:
     """The request detail as a Jaeger UI trace file ({"data": [trace]})."""
     tid = detail["trace_id"]
-    spans, processes = [], {}
+    spans: list[dict[str, Any]] = []
+    processes: dict[str, Any] = {}
     all_rows = rows(detail)
     for i, leg in enumerate(detail["legs"]):
         pid = f"p{i + 1}"
@@ -189,7 +190,8 @@ def jaeger_json(detail: dict, family: dict[str, str] | None = None) -> dict:
         if not leg.get("span_id"):
             leg_tags.append(_tag("pdwatch.synthetic_id", True))
 
-        def span(span_id, name, row_start, row_end, tags, parent=True, leg_id=leg_id, pid=pid):
+        def span(span_id: str, name: str, row_start: float, row_end: float, tags: list[dict[str, Any]],
+                 parent: bool = True, leg_id: str = leg_id, pid: str = pid) -> dict[str, Any]:
             return {
                 "traceID": tid, "spanID": span_id, "operationName": name, "flags": 1,
                 "references": [{"refType": "CHILD_OF", "traceID": tid, "spanID": leg_id}] if parent else [],
@@ -228,33 +230,27 @@ def jaeger_json(detail: dict, family: dict[str, str] | None = None) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pdwatch trace", description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("trace_id", metavar="TRACE_ID", help="32 hex digits")
-    ap.add_argument("--sidecar", metavar="URL", default=os.environ.get("PDWATCH_SIDECAR", "http://127.0.0.1:4318"),
-                    help="the sidecar's base URL [env PDWATCH_SIDECAR, default http://127.0.0.1:4318]")
-    ap.add_argument("--token", default=os.environ.get("PDWATCH_TOKEN"),
-                    help="bearer token for the sidecar [env PDWATCH_TOKEN]")
+    client.add_arguments(ap, "sidecar", "token")
     ap.add_argument("--jaeger-json", metavar="FILE", help="also write the trace as a Jaeger UI JSON file")
     ap.add_argument("--width", type=int, default=None, help="columns to draw in (default: the terminal's)")
     ap.add_argument("--ascii", action="store_true", help="draw bars with ASCII characters only")
-    ap.add_argument("--timeout-s", type=float, default=10.0)
+    client.add_arguments(ap, "timeout_s")
     return ap
 
 
-def fetch(url: str, trace_id: str, token: str | None, timeout_s: float) -> tuple[dict, dict[str, str]]:
+def fetch(settings: client.ClientSettings, trace_id: str) -> tuple[dict[str, Any], dict[str, str]]:
     """The request detail, and each cluster's diagnosed family (best effort, for pd.stuck)."""
-    headers = {"Authorization": f"Bearer {token}"} if token else None
-    with httpx.Client(base_url=url.rstrip("/"), timeout=timeout_s, headers=headers) as client:
-        r = client.get(f"/api/v1/requests/{trace_id}")
-        if r.status_code == 404:
-            raise RuntimeError(f"the sidecar at {url} knows no leg of trace {trace_id}")
-        if r.status_code != 200:
-            raise RuntimeError(f"{url}/api/v1/requests/{trace_id} answered {r.status_code}: {r.text[:200]}")
-        detail = r.json()
+    with SidecarClient(settings) as sidecar:
+        try:
+            detail: dict[str, Any] = sidecar.get(c.PATH_REQUEST.format(trace_id=trace_id))
+        except SidecarError as exc:
+            if exc.status == 404:
+                raise SidecarError(f"the sidecar at {sidecar.url} knows no leg of trace {trace_id}", 404) from None
+            raise
         family: dict[str, str] = {}
         try:
-            d = client.get("/api/v1/diagnosis")
-            if d.status_code == 200:
-                family = {v["cluster"]: v["family"] for v in d.json() if v.get("family")}
-        except httpx.HTTPError:
+            family = {v["cluster"]: v["family"] for v in sidecar.get(c.PATH_DIAGNOSIS) if v.get("family")}
+        except SidecarError:
             pass
     return detail, family
 
@@ -265,8 +261,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pdwatch trace: {args.trace_id!r} is not a trace id (32 hex digits)", file=sys.stderr)
         return 2
     try:
-        detail, family = fetch(args.sidecar, args.trace_id.lower(), args.token, args.timeout_s)
-    except (httpx.HTTPError, RuntimeError) as exc:
+        settings = client.ClientSettings.from_sources(vars(args))
+    except ValueError as exc:
+        print(f"pdwatch trace: {exc}", file=sys.stderr)
+        return 2
+    try:
+        detail, family = fetch(settings, args.trace_id.lower())
+    except SidecarError as exc:
         print(f"pdwatch trace: {exc}", file=sys.stderr)
         return 1
     width = args.width or shutil.get_terminal_size((100, 24)).columns
@@ -276,7 +277,3 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(jaeger_json(detail, family), f, indent=1)
         print(f"wrote {args.jaeger_json}: open it in Jaeger's UI (Search, JSON File)")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

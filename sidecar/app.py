@@ -99,7 +99,7 @@ def create_app(settings: Settings | None = None, *, clock: Callable[[], int] = t
     app = FastAPI(
         title="pdwatch sidecar",
         description="Finds the prefill/decode request that hangs while others flow.",
-        version="0.2.0",
+        version=c.package_version(),
         lifespan=lifespan,
         docs_url=None,
         redoc_url=None,

@@ -84,7 +84,3 @@ def main(argv: list[str] | None = None) -> int:
     uvicorn.run(app, host=settings.host, port=settings.port,
                 log_level=settings.log_level, access_log=False, proxy_headers=False)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

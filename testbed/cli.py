@@ -14,6 +14,8 @@ import argparse
 import sys
 import time
 
+from pdwatch import contract as c
+
 from . import scenarios
 from .sglang_pd import scenarios as sglang_scenarios
 
@@ -38,8 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                     choices=sorted(set().union(*ENGINES.values())),
                     help="what load and faults to run (default healthy)")
     ap.add_argument("--decodes", type=int, default=2, help="decode instances, 1 or 2 (default 2)")
-    ap.add_argument("--otlp-endpoint", default="http://127.0.0.1:4318",
-                    help="OTLP/HTTP base URL the engines export to (default http://127.0.0.1:4318)")
+    ap.add_argument("--otlp-endpoint", default=c.DEFAULT_SIDECAR_URL,
+                    help=f"OTLP/HTTP base URL the engines export to (default {c.DEFAULT_SIDECAR_URL})")
     ap.add_argument("--rate", type=float, default=None,
                     help="requests per second (default 4 emulated, 2 sglang)")
     ap.add_argument("--duration-s", type=float, default=60.0, help="seconds of load (default 60)")

@@ -1,7 +1,8 @@
 """Start a sidecar as a child process on a free loopback port and talk to it.
 
-Used by the demo and the integration tests, so both exercise the real
-`pdwatch serve` under uvicorn rather than an in-process app.
+Used by the demo and the integration tests, so both exercise the real sidecar
+process (`python -m pdwatch.sidecar`, what `pdwatch serve` runs) under uvicorn
+rather than an in-process app.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class SidecarProcess:
         self.client = httpx.Client(base_url=self.url, timeout=5.0)
 
     def start(self, timeout_s: float = 30.0) -> SidecarProcess:
-        cmd = [sys.executable, "-m", "pdwatch.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port)]
+        cmd = [sys.executable, "-m", "pdwatch.sidecar", "--host", "127.0.0.1", "--port", str(self.port)]
         self.proc = subprocess.Popen(cmd + self._args, env=self._env, stdin=subprocess.DEVNULL)
         atexit.register(self.stop)  # a caller that dies on an exception must not leave the sidecar running
         deadline = time.monotonic() + timeout_s

@@ -155,7 +155,7 @@ class Stack(StackBase):
     def __init__(
         self,
         scenario: str,
-        otlp_endpoint: str = "http://127.0.0.1:4318",
+        otlp_endpoint: str = c.DEFAULT_SIDECAR_URL,
         heartbeat_s: float = 1.0,
         rate: float = 4.0,
         restart_at: float = 8.0,

@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 from pdwatch import contract as c
+from pdwatch import settings as client
 from pdwatch.sidecar.settings import Settings, markdown_table
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -31,6 +32,10 @@ def test_the_contract_page_names_every_family_alert_and_reason():
 
 def test_the_sidecar_page_has_the_settings_table_the_declaration_makes():
     assert between((DOCS / "sidecar.md").read_text(), "settings") == markdown_table()
+
+
+def test_the_sidecar_page_has_the_client_settings_table_the_declaration_makes():
+    assert between((DOCS / "sidecar.md").read_text(), "client-settings") == client.markdown_table()
 
 
 def test_every_setting_the_contract_fixes_is_declared():

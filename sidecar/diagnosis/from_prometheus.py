@@ -41,8 +41,9 @@ def api_result(client: httpx.Client, path: str, params: dict[str, str]) -> list[
     return result
 
 
-def _query(client: httpx.Client, expr: str) -> Rows:
-    return [(item["metric"], float(item["value"][1])) for item in api_result(client, "/api/v1/query", {"query": expr})]
+def _query(client: httpx.Client, expr: str, at: float | None = None) -> Rows:
+    params = {"query": expr} if at is None else {"query": expr, "time": f"{at:.3f}"}
+    return [(item["metric"], float(item["value"][1])) for item in api_result(client, "/api/v1/query", params)]
 
 
 def _label(m: dict[str, str], name: str) -> str:
@@ -61,9 +62,10 @@ PER_STAGE = (c.L_CLUSTER, c.L_ROLE, c.L_STAGE)
 
 
 def gather(url: str, *, timeout_s: float = 10.0, headers: dict[str, str] | None = None,
-           window_s: float = FLOW_WINDOW_S) -> list[ClusterFacts]:
+           window_s: float = FLOW_WINDOW_S, at: float | None = None) -> list[ClusterFacts]:
+    """Every cluster's facts now, or as Prometheus saw them at `at` (Unix seconds)."""
     with httpx.Client(base_url=url.rstrip("/"), timeout=timeout_s, headers=headers) as client:
-        q: Callable[[str], Rows] = lambda expr: _query(client, expr)  # noqa: E731
+        q: Callable[[str], Rows] = lambda expr: _query(client, expr, at)  # noqa: E731
         window = f"{int(window_s)}s"
         inst_key: Callable[[dict[str, str]], tuple[str, str]] = lambda m: (_label(m, c.L_CLUSTER), _label(m, c.L_INSTANCE))  # noqa: E731
         instances: dict[tuple[str, str], InstanceFacts] = {}

@@ -57,7 +57,7 @@ class SglangStack(StackBase):
     def __init__(
         self,
         scenario: str,
-        otlp_endpoint: str = "http://127.0.0.1:4318",
+        otlp_endpoint: str = c.DEFAULT_SIDECAR_URL,
         heartbeat_s: float = 1.0,
         rate: float = 2.0,
         restart_at: float = 10.0,

@@ -12,9 +12,16 @@ from pathlib import Path
 
 import httpx
 import pytest
+from markupsafe import escape
 from PIL import Image
 
-from pdwatch.report import main, parse_time, write_report
+from pdwatch.report.cli import main
+from pdwatch.report.html import render_html
+from pdwatch.report.model import Diagnosis, Instance
+from pdwatch.report.model import Incident as ReportIncident
+from pdwatch.report.times import parse_time
+from pdwatch.report.write import write_report
+from pdwatch.settings import ClientSettings
 from tests.support.sidecar import FakeClock
 from tests.ui.support import Incident, start_sidecar, stub_library
 
@@ -59,7 +66,7 @@ class Panel:
 @pytest.fixture(scope="module")
 def report(incident, tmp_path_factory):
     out = tmp_path_factory.mktemp("report-sidecar")
-    page = write_report(out, sidecar=incident.sc.url, trace_url=TRACE_URL)
+    page = write_report(out, ClientSettings.from_sources({"sidecar": incident.sc.url, "trace_url": TRACE_URL}))
     return page, json.loads((out / "report.json").read_text())
 
 
@@ -81,9 +88,13 @@ def test_the_report_from_a_sidecar_embeds_its_plots_and_names_the_incident(incid
 
     d = manifest["diagnosis"][0]
     assert d["family"] == "transfer_wedge" and d["confidence"] >= 0.9 and "co-restart" in d["action"]
-    assert any("decode-0 (decode) restarted at" in s for s in d["evidence"])
+    # The classifier's own sentences, as the sidecar said them, every finding's on the page: none rewritten.
+    (said,) = httpx.get(f"{incident.sc.url}/api/v1/diagnosis").json()
+    assert (d["evidence"], d["findings"], d["action"]) == (said["evidence"], said["findings"], said["action"])
+    assert any("decode decode-0 was restarted alone" in s for f in d["findings"] for s in f["evidence"])
     assert any("decode-0: GPU 1 at 0 % utilization" in s for s in d["evidence"])
-    assert "transfer wedge" in html.lower()
+    assert all(str(escape(s)) in html for f in d["findings"] for s in f["evidence"])
+    assert "transfer wedge" in html.lower() and "restart skew" in html.lower()
     assert manifest["restarts"] == {"decode-0": [pytest.approx(incident.restart_unix_s, abs=1.0)]}
     assert manifest["worst_stuck"] == len(httpx.get(f"{incident.sc.url}/api/v1/stuck").json())
     # The oldest stuck traces, linked to the trace store.
@@ -136,6 +147,20 @@ def test_the_cli_writes_the_report_where_it_says(incident, tmp_path, capsys):
     assert "cannot reach the sidecar" in capsys.readouterr().err
 
 
+def test_the_page_escapes_whatever_the_engines_named(tmp_path):
+    """Instance names, labels and the sentences built from them come from the engines: autoescaped, never markup."""
+    hostile = "<script>alert(1)</script>"
+    inc = ReportIncident("sidecar", 0.0, 60.0, instances=[Instance("c1", hostile, "decode", restarts=[30.0])],
+                         oldest=[{"trace_id": f'{"0" * 31}1"><i id=x>', "role": "decode", "stage": "transfer",
+                                  "pd_instance": hostile, "stage_age_s": 42.0, "reason": "", "rid": "", "cluster": "c1"}])
+    inc.diagnosis = [Diagnosis("c1", 60.0, "the sidecar", "transfer_wedge", 0.9, [f"{hostile} stalls"], "restart",
+                               [{"family": "restart_skew", "confidence": 0.7, "evidence": [f"{hostile} alone"]}])]
+    page = render_html(inc, [], tmp_path, title=hostile, trace_url=TRACE_URL)
+    assert "<script>" not in page and "<i id=x>" not in page
+    assert page.count(str(escape(hostile))) >= 6  # the title twice, the sentences, the tables
+    assert f'href="https://traces.example/trace/{"0" * 31}1%22%3E%3Ci%20id%3Dx%3E"' in page
+
+
 def test_times_read_as_people_write_them():
     now = 1_800_000_000.0
     assert parse_time("now", now) == now
@@ -164,8 +189,9 @@ def test_the_report_from_prometheus_marks_the_restart_the_alert_and_the_diagnosi
             while time.monotonic() < deadline and HEADLINE not in mon.alert_names()["firing"]:
                 inc.run(1, pace_s=1.0)
             inc.run(3, pace_s=1.0)  # a few scrapes with the alert firing
-            page = write_report(tmp_path, prometheus=mon.prometheus_url, start=t0 - 2, end=time.time(),
-                                trace_url=TRACE_URL)
+            page = write_report(tmp_path, ClientSettings.from_sources({"prometheus": mon.prometheus_url,
+                                                                       "trace_url": TRACE_URL}),
+                                start=t0 - 2, end=time.time())
         inc.close()
     finally:
         sc.__exit__(None, None, None)
@@ -176,7 +202,11 @@ def test_the_report_from_prometheus_marks_the_restart_the_alert_and_the_diagnosi
     assert manifest["restarts"] == {"decode-0": [pytest.approx(inc.restart_unix_s, abs=1.5)]}
     d = manifest["diagnosis"][0]
     assert d["family"] == "transfer_wedge" and d["action"], d
-    assert d["classifier"] and d["classifier"]["evidence"]  # the range ends now: the classifier's sentences too
+    # The classifier's sentences over Prometheus at the worst moment, and what the sidecars published then.
+    assert d["evidence"] and d["findings"][0]["evidence"] == d["evidence"]
+    assert d["at_unix_s"] == manifest["worst_at_unix_s"]
+    assert "transfer_wedge" in {family for family, _ in d["published"]}
+    assert all(str(escape(s)) in html for f in d["findings"] for s in f["evidence"])
     assert manifest["oldest"] and {s["trace_id"] for s in manifest["oldest"]} <= set(inc.hung)
     assert {s["role"] for s in manifest["oldest"]} == {"prefill", "decode"}
 
