@@ -26,7 +26,7 @@ from pdwatch import contract as c
 from . import rules
 from .capture import StackCapture
 from .contrast import Contrast, LegFacts, contrast
-from .diagnosis.classify import REPORT_AT, classify, verdict
+from .diagnosis.classify import classify, verdict
 from .diagnosis.from_evaluation import gather
 from .evaluation import (
     EMPTY,
@@ -448,4 +448,4 @@ class Judge:
         )
 
 
-__all__ = ["Judge", "REPORT_AT"]
+__all__ = ["Judge"]

@@ -11,7 +11,7 @@ from urllib.parse import quote
 
 from jinja2 import Environment, PackageLoader, StrictUndefined
 
-from pdwatch.sidecar.diagnosis.classify import REPORT_AT
+from pdwatch.sidecar.diagnosis.facts import REPORT_AT
 
 from .model import Incident
 from .times import duration, utc

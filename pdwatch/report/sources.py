@@ -16,7 +16,8 @@ import httpx
 from pdwatch import contract as c
 from pdwatch.client import SidecarClient
 from pdwatch.settings import ClientSettings
-from pdwatch.sidecar.diagnosis.classify import REPORT_AT, verdict
+from pdwatch.sidecar.diagnosis.classify import verdict
+from pdwatch.sidecar.diagnosis.facts import REPORT_AT
 from pdwatch.sidecar.diagnosis.from_prometheus import api_result, gather
 
 from .model import EMPTY, Alert, Diagnosis, Gpu, Incident, Instance, ReportError, Series
