@@ -40,9 +40,13 @@ REASON_ENGINE_ERROR = "engine_error"
 EVIDENCE_REASONS = (REASON_PEER_GONE, REASON_LOOP_FROZEN, REASON_ENGINE_ERROR)
 STUCK_REASONS = (REASON_THRESHOLD, *EVIDENCE_REASONS)
 
-# Failure families (section 8).
-FAMILIES = ("transfer_wedge", "bootstrap_wedge", "collective_desync", "queue_starvation", "total_wedge",
-            "restart_skew", "engine_silent")
+# Failure families (section 8), and pdwatch's own beside them (docs/contract.md).
+CONTRACT_FAMILIES = ("transfer_wedge", "bootstrap_wedge", "collective_desync", "queue_starvation", "total_wedge",
+                     "restart_skew", "engine_silent")
+# kv_starvation: decode legs waiting for KV memory on a decode whose KV pool is full while it serves
+# others (queue_starvation's decode case, told apart by the engine's KV usage).
+ADDED_FAMILIES = ("kv_starvation",)
+FAMILIES = (*CONTRACT_FAMILIES, *ADDED_FAMILIES)
 
 # Defaults (sections 4, 5).
 DEFAULT_FLOORS_S = {"bootstrap": 30.0, "queued": 60.0, "prefill": 60.0, "transfer": 15.0, "decode": 30.0}
@@ -130,6 +134,9 @@ H_OPEN_PROBES = "pd.open.probes"
 # pdwatch's own heartbeat attributes beside the contract's (its health, engine counters).
 H_RECORDER_PREFIX = "pdwatch.recorder."
 H_ENGINE_PREFIX = "pd.engine."
+# The share (0..1) of the engine's KV cache token pool in use at the heartbeat: held by running
+# requests, not merely cached for reuse. Sent by engines that know it (the SGLang plugin).
+H_KV_USED = "pd.engine.kv_used_ratio"
 H_DROPPED = "pdwatch.recorder.dropped"  # records the hot-path buffer had no room for
 H_HOOK_ERRORS = "pdwatch.recorder.hook_errors"
 H_WORKER_ERRORS = "pdwatch.recorder.worker_errors"
@@ -343,6 +350,9 @@ LOOP_FROZEN = Metric("pdwatch_engine_loop_frozen", "gauge", INSTANCE_KEY,
                      "1 while a rank heartbeats but its loop stands still past the loop rule: with legs open "
                      f"(contract section 5b: its legs are stuck on evidence, {REASON_LOOP_FROZEN}), or idle when its "
                      "loop is known to turn while idle.")
+KV_USED = Metric("pdwatch_engine_kv_used_ratio", "gauge", INSTANCE_KEY,
+                 f"Share (0..1) of the instance's KV cache token pool in use, as its engine last said ({H_KV_USED}); "
+                 "absent for engines that do not say.")
 HEARTBEAT_AGE = Metric("pdwatch_instance_heartbeat_age_seconds", "gauge", INSTANCE_KEY,
                        "Seconds since the instance's stalest rank last heartbeated.")
 DIAGNOSIS_CONFIDENCE = Metric("pdwatch_diagnosis_confidence", "gauge", (L_CLUSTER, L_FAMILY),
@@ -406,7 +416,7 @@ FORWARD_REQUESTS = Metric("pdwatch_forward_requests", "counter", (), "POSTs the 
 FORWARD_METRICS = (FORWARD_SPANS, FORWARD_QUEUE_DEPTH, FORWARD_QUEUE_CAPACITY, FORWARD_RETRIES, FORWARD_REQUESTS)
 
 ADDED_METRICS = (
-    STUCK_CONTRAST, PROBES_FINISHED, LOOP_FROZEN, HEARTBEAT_AGE, DIAGNOSIS_CONFIDENCE, SPANS_FOREIGN, SPANS_DUPLICATE,
+    STUCK_CONTRAST, PROBES_FINISHED, LOOP_FROZEN, KV_USED, HEARTBEAT_AGE, DIAGNOSIS_CONFIDENCE, SPANS_FOREIGN, SPANS_DUPLICATE,
     HEARTBEATS_RECEIVED, TRACKED_INSTANCES, GONE_PEERS, LEGS_EVICTED, INSTANCES_EXPIRED, LABEL_SETS_REFUSED,
     EVALUATION_TIMESTAMP, INGEST_REFUSED, INGEST_ERRORS, RESIDENT_MEMORY, MEMORY_LIMIT, JUDGE_TICKS, JUDGE_ERRORS,
     JUDGE_TICK_SECONDS, STACK_CAPTURES, GPU_DEVICE_ERRORS, GPU_INFO, GPU_LAST_SAMPLE, *FORWARD_METRICS,

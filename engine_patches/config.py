@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 from opentelemetry.util.re import parse_env_headers
@@ -99,6 +99,9 @@ class RecorderConfig:
     # The engine's KV transfer backend (nixl, mooncake, ...), a property of the process: written on
     # every transfer stage span that did not record one, so hooks need not record it per request.
     transfer_backend: str | None = None
+    # Numbers the engine can tell about itself at each heartbeat (attribute name -> value), read on the
+    # recorder's thread, never the engine's: the SGLang plugin's KV pool usage (contract.H_KV_USED).
+    gauges: Callable[[], Mapping[str, float]] | None = None
     export_timeout_s: float = 2.0
     # Spans allowed to wait for export; more are dropped, counted.
     max_export_queue: int = 8192

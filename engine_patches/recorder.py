@@ -232,6 +232,12 @@ class Recorder:
             attrs[c.H_LOOP_IDLE_TURN] = float(cfg.loop_idle_turn_s)
         for name, value in self._engine_counters.items():
             attrs[c.H_ENGINE_PREFIX + name] = value
+        if cfg.gauges is not None:
+            try:  # the engine's code, on this thread: its failure costs a heartbeat field, never the heartbeat
+                attrs.update((name, float(value)) for name, value in cfg.gauges().items())
+            except Exception:
+                self.worker_errors += 1
+                log.debug("pdwatch could not read the engine's gauges", exc_info=True)
         if cfg.owns_requests:
             attrs.update(legs.inventory(cfg.inventory_max))
         return attrs

@@ -141,6 +141,7 @@ class InstanceView:
     open_total: int
     finished_ok_recent: int  # within the flow window
     ranks: tuple[Rank, ...]
+    kv_used: float | None = None  # share of its KV pool in use, as its engine last said (None: not said)
 
 
 @dataclass(frozen=True, slots=True)

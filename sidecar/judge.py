@@ -191,6 +191,7 @@ class Judge:
             open_counts=dict(owner.open_counts) if owner is not None else {},
             open_total=open_total,
             finished_ok_recent=rules.finished_ok_since(inst, now - self.flow_window_ns),
+            kv_used=owner.extra.get(c.H_KV_USED) if owner is not None else None,
             ranks=tuple(self._rank(inc, now) for inc in sorted(inst.ranks.values(), key=lambda i: i.rank)),
         )
 

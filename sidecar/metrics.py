@@ -119,6 +119,7 @@ class EvaluationCollector:
     def _instances(ev: Evaluation) -> Iterator[Metric]:
         up, start, restarts = gauge(c.INSTANCE_UP), gauge(c.INSTANCE_START), counter(c.INSTANCE_RESTARTS)
         stalled, frozen, age = gauge(c.LOOP_STALLED), gauge(c.LOOP_FROZEN), gauge(c.HEARTBEAT_AGE)
+        kv_used = gauge(c.KV_USED)
         for inst in ev.instances:
             labels = [inst.cluster, inst.role, inst.name]
             up.add_metric(labels, 1 if inst.up else 0)
@@ -129,7 +130,9 @@ class EvaluationCollector:
             frozen.add_metric(labels, 1 if inst.loop_frozen else 0)
             if inst.heartbeat_age_s is not None:
                 age.add_metric(labels, round(inst.heartbeat_age_s, 3))
-        yield from (up, start, restarts, stalled, frozen, age)
+            if inst.kv_used is not None:
+                kv_used.add_metric(labels, inst.kv_used)
+        yield from (up, start, restarts, stalled, frozen, age, kv_used)
 
     @staticmethod
     def _own(ev: Evaluation) -> Iterator[Metric]:

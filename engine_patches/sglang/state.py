@@ -75,6 +75,7 @@ class PluginState:
             peer_ids=peer_ids(scheduler, role),
             server_address=_server_address(),
             loop_idle_turn_s=idle_turn_s(scheduler),
+            gauges=lambda: kv_gauges(scheduler),
         )
         rec = (recorder_factory or from_env)(role, **overrides)
         rec.hook_errors += self.early_errors
@@ -196,6 +197,16 @@ def peer_ids(scheduler: Any, role: str) -> tuple[str, ...]:
 
 # SGLang's IdleSleeper (--sleep-on-idle) polls its sockets for at most 1 s per idle loop turn.
 IDLE_SLEEPER_POLL_S = 1.0
+
+
+def kv_gauges(scheduler: Any) -> dict[str, float]:
+    """The KV pool's usage as SGLang computes it for its own logs and prefill delayer (held by running
+    requests; cached prefixes it could evict count as free). Read at each heartbeat on the recorder's
+    thread: a racy read of a few sizes, never a write. An SGLang without the observer says nothing."""
+    observer = getattr(scheduler, "pool_stats_observer", None)
+    if observer is None:
+        return {}
+    return {c.H_KV_USED: float(observer.get_pool_stats().get_max_pool_usage())}
 
 
 def idle_turn_s(scheduler: Any) -> float:

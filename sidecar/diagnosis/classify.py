@@ -29,6 +29,8 @@ ACTIONS = {
     "collective_desync": "dump the stacks of every rank (py-spy dump), check the collective library (NCCL) logs, "
                          "restart the whole TP group",
     "queue_starvation": "add capacity or KV memory (decode KV pool, max running requests); check for one huge request",
+    "kv_starvation": "the decode's KV pool is full: add decode instances or KV memory (--mem-fraction-static), "
+                     "or admit less (max running requests, shorter max context); check for one huge request",
     "total_wedge": "nothing finishes anywhere: restart the PD pair; the GPU evidence says which family it resembles",
     "restart_skew": "co-restart the PD pair so both sides start with clean bootstrap state",
     "engine_silent": "the process is dead or frozen: check it (crash, OOM, SIGSTOP, hung driver) and restart it",
@@ -231,6 +233,35 @@ def queue_starvation(f: ClusterFacts) -> Finding | None:
     return Finding("queue_starvation", confidence, evidence, ACTIONS["queue_starvation"])
 
 
+# A decode's KV pool at least this full (held by running requests) leaves no room to pre-allocate
+# the next request's KV cache: new decode legs wait in bootstrap until some finish.
+KV_FULL = 0.9
+
+
+def kv_starvation(f: ClusterFacts) -> Finding | None:
+    """queue_starvation's decode case made certain by the engine's own KV usage: decode legs wait in
+    bootstrap (KV pre-allocation) on a decode whose pool is full while it keeps finishing others."""
+    evidence = []
+    confidence = 0.85
+    for i in f.instances:
+        waiting = i.stuck.get("bootstrap", 0)
+        if i.role != "decode" or not waiting or i.kv_used is None or i.kv_used < KV_FULL or not _serving_others(i):
+            continue
+        evidence.append(f"decode {i.pd_instance}: {waiting} leg(s) stuck in bootstrap, waiting for KV memory, while "
+                        f"its KV pool is {_pct(i.kv_used)} full and it finished {i.finished_ok_recent} other leg(s) "
+                        f"ok in the last {f.flow_window_s:.0f} s")
+        if i.stuck.get("transfer"):
+            # Its transfers that never end hold KV memory that never comes back: the wedge is the cause.
+            evidence.append(f"decode {i.pd_instance} also holds {i.stuck['transfer']} leg(s) stuck in transfer, "
+                            "whose KV memory never comes back: starvation downstream of a transfer wedge "
+                            "(transfer_wedge)")
+            confidence = 0.55
+    if not evidence:
+        return None
+    confidence -= _explained_by_frozen(f, evidence, "bootstrap")
+    return Finding("kv_starvation", confidence, evidence, ACTIONS["kv_starvation"])
+
+
 def bootstrap_wedge(f: ClusterFacts) -> Finding | None:
     if not f.stuck_in("bootstrap") or not f.flowing:
         return None
@@ -299,7 +330,7 @@ def restart_skew(f: ClusterFacts) -> Finding | None:
 
 
 RULES = (engine_silent, collective_desync, total_wedge, transfer_wedge, bootstrap_wedge, queue_starvation,
-         restart_skew)
+         kv_starvation, restart_skew)
 
 
 def classify(f: ClusterFacts) -> list[Finding]:

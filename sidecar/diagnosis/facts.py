@@ -36,6 +36,7 @@ class InstanceFacts:
     # Contract section 5b: the loop rule holds, and legs stuck on evidence by reason.
     loop_frozen: bool = False
     evidence: dict[str, int] = field(default_factory=dict)  # reason -> stuck legs
+    kv_used: float | None = None  # share (0..1) of its KV pool in use, when its engine says
 
 
 @dataclass

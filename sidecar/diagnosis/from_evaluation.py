@@ -55,6 +55,7 @@ def gather(ev: Evaluation) -> list[ClusterFacts]:
             gpus=gpus_of.get((inst.cluster, inst.name), []),
             loop_frozen=inst.loop_frozen,
             evidence=dict(evidence),
+            kv_used=inst.kv_used,
         ))
         cf.finished_ok_recent += inst.finished_ok_recent
         cf.open_legs += inst.open_total

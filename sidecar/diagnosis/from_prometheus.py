@@ -112,6 +112,8 @@ def gather(url: str, *, timeout_s: float = 10.0, headers: dict[str, str] | None 
         # Contract section 5b: the frozen loops and the legs stuck on evidence.
         for _m, v, inst in each(_agg("max", c.LOOP_FROZEN, *PER_INSTANCE)):
             inst.loop_frozen = v >= 1
+        for _m, v, inst in each(_agg("max", c.KV_USED, *PER_INSTANCE)):
+            inst.kv_used = v
         for m, v, inst in each(_agg("sum", c.STUCK_EVIDENCE, *c.LEG_GROUP, c.L_REASON) + " > 0"):
             reason = _label(m, c.L_REASON)
             inst.evidence[reason] = inst.evidence.get(reason, 0) + int(v)

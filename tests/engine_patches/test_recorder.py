@@ -393,3 +393,23 @@ def test_heartbeats_say_how_much_cpu_the_recorder_thread_used_and_only_its_own()
         assert seen[-1] <= time.process_time()
     finally:
         rec.shutdown()
+
+
+def test_heartbeats_carry_the_engines_gauges_and_a_failing_gauge_costs_only_its_field():
+    readings = iter([{"pd.engine.kv_used_ratio": 0.25}, RuntimeError("pool gone"), {"pd.engine.kv_used_ratio": 1}])
+
+    def gauges():
+        value = next(readings)
+        if isinstance(value, Exception):
+            raise value
+        return value
+
+    rec, exp, _ = make("decode", gauges=gauges)
+    for _ in range(3):
+        rec.heartbeat()
+    rec.flush()
+    beats = [dict(s.attributes) for s in spans_by_name(exp)["pd.heartbeat"]]
+    assert [b.get("pd.engine.kv_used_ratio") for b in beats] == [0.25, None, 1.0]
+    # The beat is still sent; the error is counted, and shows from the next beat on.
+    assert [b["pdwatch.recorder.worker_errors"] for b in beats] == [0, 0, 1]
+    assert all(isinstance(b["pd.engine.kv_used_ratio"], float) for b in beats if "pd.engine.kv_used_ratio" in b)

@@ -11,9 +11,9 @@ WORKING = [GpuFacts("4", "GPU-e", 0.7, 520.0, 700.0)]
 
 
 def inst(name, role, *, up=True, stalled=False, start=1000.0, restarts=0, restart_age=None, ok=10, open_legs=2,
-         stuck=None, gpus=()):
+         stuck=None, gpus=(), kv_used=None):
     return InstanceFacts(name, role, up, 0.5 if up else 12.0, stalled, start, restarts, restart_age, ok, open_legs,
-                         dict(stuck or {}), list(gpus))
+                         dict(stuck or {}), list(gpus), kv_used=kv_used)
 
 
 def cluster(instances, *, ok=None, stuck=None, open_legs=None):
@@ -99,6 +99,33 @@ def test_kv_starvation_is_queue_starvation_not_a_bootstrap_wedge():
     facts = cluster([inst("prefill-0", "prefill"), inst("decode-0", "decode", ok=25, stuck={"bootstrap": 3})])
     assert families(facts) == ["queue_starvation"]
     assert "waiting for KV memory while it finished 25 other leg(s) ok" in verdict(facts)["evidence"][0]
+
+
+def test_a_decode_whose_engine_says_its_kv_pool_is_full_leads_with_kv_starvation():
+    full = cluster([inst("prefill-0", "prefill"),
+                    inst("decode-0", "decode", ok=25, stuck={"bootstrap": 3}, kv_used=0.97)])
+    v = verdict(full)
+    assert v["family"] == "kv_starvation" and v["confidence"] == 0.85
+    assert [f["family"] for f in v["findings"]] == ["kv_starvation", "queue_starvation"]
+    assert v["evidence"] == ["decode decode-0: 3 leg(s) stuck in bootstrap, waiting for KV memory, while its KV pool "
+                             "is 97 % full and it finished 25 other leg(s) ok in the last 60 s"]
+    assert "KV pool is full" in v["action"]
+    # Both sides of the line: just under it, or a pool the engine does not report, is queue_starvation alone.
+    for kv_used in (0.89, None):
+        facts = cluster([inst("prefill-0", "prefill"),
+                         inst("decode-0", "decode", ok=25, stuck={"bootstrap": 3}, kv_used=kv_used)])
+        assert families(facts) == ["queue_starvation"], kv_used
+    # A full pool on a decode that finishes nothing is no starvation: nothing flows there to wait behind.
+    idle = cluster([inst("prefill-0", "prefill"),
+                    inst("decode-0", "decode", ok=0, stuck={"bootstrap": 3}, kv_used=0.97)])
+    assert "kv_starvation" not in families(idle)
+    # Behind a transfer wedge on the same decode, the wedge leads.
+    behind = cluster([inst("prefill-0", "prefill", stuck={"transfer": 3}),
+                      inst("decode-0", "decode", ok=4, stuck={"transfer": 3, "bootstrap": 6}, kv_used=0.99),
+                      inst("decode-1", "decode")])
+    found = {f.family: f for f in classify(behind)}
+    assert found["kv_starvation"].confidence < found["transfer_wedge"].confidence
+    assert "downstream of a transfer wedge" in " ".join(found["kv_starvation"].evidence)
 
 
 def test_bootstrap_stuck_on_an_instance_that_serves_nobody_is_a_bootstrap_wedge():
