@@ -11,8 +11,8 @@ import pytest
 from pdwatch import contract as c
 from pdwatch.sidecar.diagnosis import from_evaluation, from_prometheus
 from pdwatch.sidecar.diagnosis.classify import verdict
-from pdwatch.testbed.monitoring import Monitoring
 from pdwatch.sidecar.settings import Settings
+from pdwatch.testbed.monitoring import Monitoring
 from tests.support.sidecar import Engine, FakeClock, LiveSidecar
 from tests.support.waiting import wait_for
 
