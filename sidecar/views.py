@@ -101,6 +101,7 @@ def instance(inst: InstanceView) -> dict[str, Any]:
         "restart_times_unix_s": [_s(t) for t in inst.restart_times_ns],
         "open": inst.open_counts,
         "finished_ok_recent": inst.finished_ok_recent,
+        "kv_used_ratio": inst.kv_used,
         "ranks": [
             {"tp_rank": r.rank, "incarnation": r.incarnation, "pid": r.pid, "host": r.host,
              "start_unix_s": _s(r.start_ns), "heartbeat_seq": r.heartbeat_seq,

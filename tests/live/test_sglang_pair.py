@@ -126,6 +126,18 @@ def test_both_roles_finish_ok_nothing_stuck_every_instance_up(healthy):
     assert finished["prefill"].get("ok", 0) >= 20 and finished["decode"].get("ok", 0) >= 20, finished
 
 
+def test_every_instance_says_how_full_its_kv_pool_is_and_no_gauge_fails(healthy):
+    """The plugin's gauge reads SGLang's own pool stats on the recorder's thread: a share on every
+    instance (both roles keep a KV pool), and no worker error from reading it."""
+    run, _extra, _world = healthy
+    used = {name: inst["kv_used_ratio"] for name, inst in instances(run).items()}
+    assert set(used) == {"prefill-0", "decode-0", "decode-1"}, used
+    assert all(v is not None and 0.0 <= v <= 1.0 for v in used.values()), used
+    errors = {name: rank["engine"].get(c.H_WORKER_ERRORS)
+              for name, inst in instances(run).items() for rank in inst["ranks"]}
+    assert all(n == 0 for n in errors.values()), errors
+
+
 def test_a_server_whose_port_is_taken_starts_again_on_fresh_ports(healthy):
     run, extra, _world = healthy
     retries = [e for e in run.events if e["event"] == "port_taken"]
