@@ -199,3 +199,70 @@ def test_benches_use_the_tests_support_code_only_and_tests_never_import_benches(
         wrong.extend(f"{path.relative_to(ROOT)} imports {name}" for name in _imports(path)
                      if name.startswith("tests.") and not name.startswith("tests.support"))
     assert not wrong, "\n".join(wrong)
+
+
+# ---- no circle ---------------------------------------------------------------------------------
+
+LAYER_FOLDERS = {"contract", "engine_patches", "sidecar", "alerts", "dashboards", "testbed", "pdwatch"}
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts if parts[0] == "pdwatch" else ["pdwatch", *parts])
+
+
+def module_imports(path: Path, known: set[str]) -> set[str]:
+    """The pdwatch modules a file imports when it is loaded (imports inside functions run later, if ever)."""
+    name = module_name(path)
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    out: set[str] = set()
+    for node in ast.parse(path.read_text(), filename=str(path)).body:
+        if isinstance(node, ast.If):  # `if TYPE_CHECKING:` and the like: not run on load
+            continue
+        if isinstance(node, ast.Import):
+            candidates = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            mod = ".".join([*base, *([node.module] if node.module else [])])
+            candidates = [f"{mod}.{a.name}" for a in node.names] + [mod]
+        else:
+            continue
+        for cand in candidates:
+            while cand and cand not in known:
+                cand = cand.rpartition(".")[0]
+            if cand and cand != name:
+                out.add(cand)
+                break
+    return out
+
+
+def test_no_module_imports_itself_round_a_circle():
+    paths = [p for folder in LAYER_FOLDERS for p in (ROOT / folder).rglob("*.py")
+             if "cpu_site" not in p.parts]
+    known = {module_name(p) for p in paths}
+    graph = {module_name(p): module_imports(p, known) for p in paths}
+    # A package's __init__ importing its own submodules is how Python packages work, not a circle.
+    graph = {m: {d for d in deps if not d.startswith(m + ".")} for m, deps in graph.items()}
+    done: set[str] = set()
+    trail: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        if m in trail:
+            return trail[trail.index(m):] + [m]
+        if m in done:
+            return None
+        trail.append(m)
+        for dep in sorted(graph.get(m, ())):
+            circle = visit(dep)
+            if circle:
+                return circle
+        trail.pop()
+        done.add(m)
+        return None
+
+    for m in sorted(graph):
+        circle = visit(m)
+        assert circle is None, " -> ".join(circle)
