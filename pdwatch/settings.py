@@ -1,7 +1,7 @@
 """What every client command (`pdwatch diagnose`, `trace`, `report`) reads a sidecar or Prometheus with, declared once.
 
-Each field resolves flag -> environment variable (`PDWATCH_` + its name in
-capitals, the contract's ENV_* names) -> default; `add_arguments` turns the
+Each field resolves flag -> environment variable (the contract's ENV_* name
+for it, its validation_alias) -> default; `add_arguments` turns the
 fields a command uses into its flags, with the variable and default in the
 help; `ClientSettings.from_sources` says which flag or variable was wrong.
 """
@@ -31,18 +31,18 @@ def _url(value: str | None) -> str | None:
 class ClientSettings(BaseSettings):
     """Where the client commands read from, and how."""
 
-    model_config = SettingsConfigDict(env_prefix=c.ENV_PREFIX, case_sensitive=False, frozen=True,
+    model_config = SettingsConfigDict(env_prefix=c.ENV_PREFIX, case_sensitive=False, frozen=True, populate_by_name=True,
                                       env_ignore_empty=True, extra="ignore")
 
-    sidecar: str = Field(c.DEFAULT_SIDECAR_URL, description="a sidecar's base URL")
-    token: str | None = Field(None, repr=False, description="bearer token for the sidecar")
-    prometheus: str | None = Field(None, description="a Prometheus (or Thanos, Mimir) base URL that scrapes the sidecars")
+    sidecar: str = Field(c.DEFAULT_SIDECAR_URL, validation_alias=c.ENV_SIDECAR, description="a sidecar's base URL")
+    token: str | None = Field(None, validation_alias=c.ENV_TOKEN, repr=False, description="bearer token for the sidecar")
+    prometheus: str | None = Field(None, validation_alias=c.ENV_PROMETHEUS, description="a Prometheus (or Thanos, Mimir) base URL that scrapes the sidecars")
     # The OTLP exporters' header format (OTEL_EXPORTER_OTLP_HEADERS), which the engine side reads too.
     prometheus_headers: Annotated[dict[str, str], NoDecode] = Field(
-        default_factory=dict, description="headers for Prometheus, NAME=VALUE pairs separated by commas, "
+        default_factory=dict, validation_alias=c.ENV_PROMETHEUS_HEADERS, description="headers for Prometheus, NAME=VALUE pairs separated by commas, "
                                           "values URL-encoded (e.g. X-Scope-OrgID=team-a)")
-    timeout_s: float = Field(10.0, gt=0, allow_inf_nan=False, description="seconds to wait for each answer")
-    trace_url: str | None = Field(None, description="a trace store's link for each trace id, {trace_id} replaced, "
+    timeout_s: float = Field(10.0, validation_alias=c.ENV_TIMEOUT, gt=0, allow_inf_nan=False, description="seconds to wait for each answer")
+    trace_url: str | None = Field(None, validation_alias=c.ENV_TRACE_URL, description="a trace store's link for each trace id, {trace_id} replaced, "
                                                     "e.g. https://jaeger.example/trace/{trace_id}")
 
     @field_validator("sidecar")
@@ -109,11 +109,19 @@ def flag(field: str) -> str:
 
 
 def env_name(field: str) -> str:
-    return c.ENV_PREFIX + field.upper()
+    """The variable a setting is read from: the contract's name for it."""
+    alias = ClientSettings.model_fields[field].validation_alias
+    assert isinstance(alias, str), f"setting {field} names no variable"
+    return alias
+
+
+def _field_of(loc: str) -> str:
+    """An error's location is the variable's name when the value came from it."""
+    return next((name for name in ClientSettings.model_fields if env_name(name) == loc), loc)
 
 
 def _explain(error: Any, given: Mapping[str, Any]) -> str:
-    field = str(error["loc"][0]) if error.get("loc") else ""
+    field = _field_of(str(error["loc"][0])) if error.get("loc") else ""
     source = flag(field) if field in given else env_name(field)
     message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
     if field in SECRET:

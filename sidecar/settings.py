@@ -1,7 +1,7 @@
 """The sidecar's settings, declared once: each field's type, default, bounds and help.
 
-pydantic-settings reads a field from its environment variable (`PDWATCH_` + the
-field's name in capitals, the contract's section 11 names); `add_arguments`
+pydantic-settings reads a field from the environment variable the contract
+names for it (its validation_alias: section 11's names and pdwatch's own); `add_arguments`
 turns the same fields into `pdwatch serve` flags, which win over the
 environment; `markdown_table` writes the docs table. So flags, variables,
 defaults, validation and docs cannot drift apart.
@@ -20,54 +20,55 @@ from pdwatch import contract as c
 
 
 def _floor(stage: str) -> Any:
-    return Field(c.DEFAULT_FLOORS_S[stage], gt=0, allow_inf_nan=False,
+    return Field(c.DEFAULT_FLOORS_S[stage], validation_alias=c.floor_env(stage), gt=0, allow_inf_nan=False,
                  description=f"stuck floor of stage {stage}, seconds")
 
 
 class Settings(BaseSettings):
     """Every setting of `pdwatch serve`; see docs/sidecar.md for what each one does."""
 
-    model_config = SettingsConfigDict(env_prefix=c.ENV_PREFIX, case_sensitive=False, frozen=True,
+    # Each field reads the variable the contract names (validation_alias); flags and code use the field's name.
+    model_config = SettingsConfigDict(env_prefix=c.ENV_PREFIX, case_sensitive=False, frozen=True, populate_by_name=True,
                                       env_ignore_empty=True, extra="forbid")
 
-    host: str = Field(c.DEFAULT_HOST, description="address to bind (loopback by default)")
-    port: int = Field(c.DEFAULT_PORT, ge=0, le=65535,
+    host: str = Field(c.DEFAULT_HOST, validation_alias=c.ENV_HOST, description="address to bind (loopback by default)")
+    port: int = Field(c.DEFAULT_PORT, validation_alias=c.ENV_PORT, ge=0, le=65535,
                       description="port to bind (4318 is OTLP/HTTP's, so engines reach it by default)")
-    token: str | None = Field(None, repr=False, description=(
+    token: str | None = Field(None, validation_alias=c.ENV_TOKEN, repr=False, description=(
         "bearer token required by ingest, the API, /ui and /docs when set (/metrics and /healthz stay open)"))
     floor_bootstrap_s: float = _floor("bootstrap")
     floor_queued_s: float = _floor("queued")
     floor_prefill_s: float = _floor("prefill")
     floor_transfer_s: float = _floor("transfer")
     floor_decode_s: float = _floor("decode")
-    flow_window_s: float = Field(c.DEFAULT_FLOW_WINDOW_S, gt=0, allow_inf_nan=False,
+    flow_window_s: float = Field(c.DEFAULT_FLOW_WINDOW_S, validation_alias=c.ENV_FLOW_WINDOW, gt=0, allow_inf_nan=False,
                                  description="a cluster flows when some leg finished ok within this many seconds")
-    forward_otlp_endpoint: str | None = Field(None, description=(
+    forward_otlp_endpoint: str | None = Field(None, validation_alias=c.ENV_FORWARD, description=(
         "OTLP/HTTP base URL of a trace store to forward lifecycle, foreign and pd.stuck spans to"))
-    nvml: Literal["auto", "off"] = Field("auto", description="auto: sample GPUs when NVML loads; off: never")
-    gpu_interval_s: float = Field(1.0, gt=0, allow_inf_nan=False, description="GPU sampling interval, seconds")
-    gpu_map: str = Field("", description=(
+    nvml: Literal["auto", "off"] = Field("auto", validation_alias=c.ENV_NVML, description="auto: sample GPUs when NVML loads; off: never")
+    gpu_interval_s: float = Field(1.0, validation_alias=c.ENV_GPU_INTERVAL, gt=0, allow_inf_nan=False, description="GPU sampling interval, seconds")
+    gpu_map: str = Field("", validation_alias=c.ENV_GPU_MAP, description=(
         "GPUs to attribute by configuration when no instance claims them, e.g. 0=default/decode/decode-0"))
-    max_body_bytes: int = Field(c.DEFAULT_MAX_BODY_BYTES, gt=0, description="largest OTLP body, after decompression")
-    max_open_legs: int = Field(200_000, gt=0, description="open legs tracked at once; newcomers past it are refused, counted")
-    max_closed_legs: int = Field(50_000, gt=0,
+    max_body_bytes: int = Field(c.DEFAULT_MAX_BODY_BYTES, validation_alias=c.ENV_MAX_BODY, gt=0, description="largest OTLP body, after decompression")
+    max_open_legs: int = Field(200_000, validation_alias=c.ENV_MAX_OPEN_LEGS, gt=0, description="open legs tracked at once; newcomers past it are refused, counted")
+    max_closed_legs: int = Field(50_000, validation_alias=c.ENV_MAX_CLOSED_LEGS, gt=0,
                                  description="finished legs remembered for /api/v1/requests and de-duplication")
-    max_instances: int = Field(1024, gt=0, description="engine instances tracked; spans from more are rejected, counted")
-    instance_ttl_s: float = Field(3600.0, gt=0, allow_inf_nan=False, description=(
+    max_instances: int = Field(1024, validation_alias=c.ENV_MAX_INSTANCES, gt=0, description="engine instances tracked; spans from more are rejected, counted")
+    instance_ttl_s: float = Field(3600.0, validation_alias=c.ENV_INSTANCE_TTL, gt=0, allow_inf_nan=False, description=(
         "an instance none of whose ranks sent anything for this long is forgotten with its open legs, counted"))
-    max_rss_bytes: int = Field(4 << 30, ge=0, description=(
+    max_rss_bytes: int = Field(4 << 30, validation_alias=c.ENV_MAX_RSS, ge=0, description=(
         "resident memory above which ingest answers 503 with Retry-After until it falls again; 0 = no limit"))
-    evaluate_interval_s: float = Field(0.5, gt=0, allow_inf_nan=False,
+    evaluate_interval_s: float = Field(0.5, validation_alias=c.ENV_EVALUATE_INTERVAL, gt=0, allow_inf_nan=False,
                                        description="how often the judge runs (stuck rule, evidence, diagnosis), seconds")
-    capture: Literal["off", "py-spy"] = Field("off", description=(
+    capture: Literal["off", "py-spy"] = Field("off", validation_alias=c.ENV_CAPTURE, description=(
         "py-spy: take the Python stacks of an engine's ranks (same host, reported PIDs) when it first has "
         "stuck legs or its loop freezes; off: never"))
-    capture_every_s: float = Field(600.0, gt=0, allow_inf_nan=False,
+    capture_every_s: float = Field(600.0, validation_alias=c.ENV_CAPTURE_EVERY, gt=0, allow_inf_nan=False,
                                    description="at most one stack capture per instance this often, seconds")
-    capture_timeout_s: float = Field(10.0, gt=0, allow_inf_nan=False, description="longest one py-spy dump may take")
-    capture_hosts: str = Field("", description=(
+    capture_timeout_s: float = Field(10.0, validation_alias=c.ENV_CAPTURE_TIMEOUT, gt=0, allow_inf_nan=False, description="longest one py-spy dump may take")
+    capture_hosts: str = Field("", validation_alias=c.ENV_CAPTURE_HOSTS, description=(
         "comma-separated host.name values whose engines' PIDs this sidecar may read; empty: its own hostname"))
-    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", validation_alias=c.ENV_LOG_LEVEL, description="log level")
 
     @field_validator("forward_otlp_endpoint")
     @classmethod
@@ -95,11 +96,19 @@ class Settings(BaseSettings):
 
 
 def env_name(field: str) -> str:
-    return c.ENV_PREFIX + field.upper()
+    """The variable a setting is read from: the contract's name for it."""
+    alias = Settings.model_fields[field].validation_alias
+    assert isinstance(alias, str), f"setting {field} names no variable"
+    return alias
+
+
+def _field_of(loc: str) -> str:
+    """An error's location is the variable's name when the value came from it."""
+    return next((name for name in Settings.model_fields if env_name(name) == loc), loc)
 
 
 def _explain(error: Any, flags: Mapping[str, Any]) -> str:
-    field = str(error["loc"][0]) if error.get("loc") else ""
+    field = _field_of(str(error["loc"][0])) if error.get("loc") else ""
     source = f"--{field.replace('_', '-')}" if field in flags else env_name(field)
     value = error.get("input")
     message = str(error.get("msg", "invalid"))
