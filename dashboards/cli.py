@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from pdwatch.dashboards import push as push_mod
@@ -66,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     push.set_defaults(run=_push)
 
     args = parser.parse_args(argv)
-    return args.run(args)
+    run: Callable[[argparse.Namespace], int] = args.run
+    return run(args)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from grafana_foundation_sdk.builders import common as cb
 from grafana_foundation_sdk.builders import dashboard as db
 from grafana_foundation_sdk.builders import prometheus, stat, table, timeseries
 from grafana_foundation_sdk.cog import builder as cogbuilder
+from grafana_foundation_sdk.cog import variants as cogvariants
 from grafana_foundation_sdk.models import common as cm
 from grafana_foundation_sdk.models import dashboard as dm
 from grafana_foundation_sdk.models import prometheus as pm
@@ -97,14 +98,29 @@ class _PromAnnotationModel(dm.AnnotationQuery):
         return {**super().to_json(), **self.extra}
 
 
+class PanelBuilder(typing.Protocol):
+    """What every panel type's builder offers (the SDK has no common base class for them)."""
+
+    def id(self, id_val: int, /) -> typing.Self: ...
+    def title(self, title: str, /) -> typing.Self: ...
+    def description(self, description: str, /) -> typing.Self: ...
+    def datasource(self, datasource: dm.DataSourceRef, /) -> typing.Self: ...
+    def span(self, w: int, /) -> typing.Self: ...
+    def height(self, h: int, /) -> typing.Self: ...
+    def with_target(self, target: cogbuilder.Builder[cogvariants.Dataquery], /) -> typing.Self: ...
+
+
+AnyPanel = typing.TypeVar("AnyPanel", bound=PanelBuilder)
+
+
 class Panels:
     """Panel builders with ids, reference ids and the shared data source."""
 
     def __init__(self) -> None:
         self._ids = itertools.count(1)
 
-    def _setup(self, panel: typing.Any, title: str, description: str, targets: list[tuple[str, str]],
-               width: int, height: int, exemplars: bool = False) -> typing.Any:
+    def _setup(self, panel: AnyPanel, title: str, description: str, targets: list[tuple[str, str]],
+               width: int, height: int, exemplars: bool = False) -> AnyPanel:
         panel.id(next(self._ids)).title(title).description(description).datasource(PROM).span(width).height(height)
         for ref, (expr, legend) in zip("ABCDEFGH", targets):
             query = prometheus.Dataquery().ref_id(ref).expr(expr).legend_format(legend).range()
@@ -140,8 +156,8 @@ class Panels:
             prometheus.Dataquery().ref_id("A").expr(expr).legend_format("").format(pm.PromQueryFormat.TABLE).instant()
         )
 
-    def setup(self, panel: typing.Any, title: str, description: str, targets: list[tuple[str, str]],
-              width: int, height: int) -> typing.Any:
+    def setup(self, panel: AnyPanel, title: str, description: str, targets: list[tuple[str, str]],
+              width: int, height: int) -> AnyPanel:
         """Title, data source, size and range queries for any other panel type."""
         return self._setup(panel, title, description, targets, width, height)
 

@@ -25,7 +25,8 @@ DASHBOARDS: dict[str, Callable[[], db.Dashboard]] = {
 
 
 def as_dict(builder: db.Dashboard) -> dict[str, Any]:
-    return json.loads(json.dumps(builder.build(), cls=JSONEncoder))
+    doc: dict[str, Any] = json.loads(json.dumps(builder.build(), cls=JSONEncoder))
+    return doc
 
 
 def render_all() -> dict[str, str]:

@@ -18,9 +18,16 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import TYPE_CHECKING, Any
 
 from pdwatch import contract as c
 from pdwatch.testbed.sidecar_process import SidecarProcess
+
+if TYPE_CHECKING:  # imported where they run: numpy, NIXL and SGLang load only when needed
+    from pdwatch.testbed.gpu_emulation import GpuEmulator
+    from pdwatch.testbed.monitoring import Monitoring
+    from pdwatch.testbed.sglang_pd.stack import SglangStack
+    from pdwatch.testbed.stack import Stack
 
 SCENARIOS_EXPECTING_STUCK = {"decode-restart", "transfer-wedge"}
 HEADLINE = c.ALERT_STUCK_WHILE_OTHERS_FLOW
@@ -29,7 +36,7 @@ INCIDENT = {"emulated": "decode-restart", "sglang": "transfer-wedge"}
 FAULT_EVENTS = ("killed", "wedge")
 
 
-def _progress_line(t: float, summary: dict, stuck: list) -> str:
+def _progress_line(t: float, summary: dict[str, Any], stuck: list[dict[str, Any]]) -> str:
     clusters = summary.get("clusters", {})
     cl = clusters.get("default") or (next(iter(clusters.values())) if clusters else {})
     finished = cl.get("finished", {})
@@ -42,7 +49,7 @@ def _progress_line(t: float, summary: dict, stuck: list) -> str:
     return f"t={t:5.1f}s  legs finished ok={ok:<4} not ok={bad:<3} open: {' '.join(open_parts) or '-':<48} stuck={len(stuck)}"
 
 
-def _stuck_table(stuck: list, limit: int = 12) -> str:
+def _stuck_table(stuck: list[dict[str, Any]], limit: int = 12) -> str:
     rows = [("TRACE ID", "ROLE", "STAGE", "AGE", "THRESHOLD", "REASON", "INSTANCE", "PEER", "ROOM", "RID")]
     ordered = sorted(stuck, key=lambda s: (-s["stage_age_s"], s["trace_id"], s["role"]))
     for s in ordered[:limit]:
@@ -57,7 +64,7 @@ def _stuck_table(stuck: list, limit: int = 12) -> str:
     return text
 
 
-def _ok_count(summary: dict) -> int:
+def _ok_count(summary: dict[str, Any]) -> int:
     return sum(
         v.get("ok", 0) for cl in summary.get("clusters", {}).values() for v in cl.get("finished", {}).values()
     )
@@ -105,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
           f"transfer floor {args.floor_transfer_s:.0f} s")
     with SidecarProcess(env=env) as sidecar:
         print(f"sidecar listening on {sidecar.url}")
-        monitoring = None
+        monitoring: Monitoring | None = None
         if not args.no_alerts and expect_stuck:
             from pdwatch.testbed.monitoring import Monitoring, MonitoringError
 
@@ -118,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
         common = dict(otlp_endpoint=sidecar.url, heartbeat_s=args.heartbeat_s, rate=args.rate,
                       restart_at=args.restart_at, seed=args.seed)
+        stack: Stack | SglangStack
         try:
             if sglang:
                 from pdwatch.testbed.sglang_pd.stack import SglangStack
@@ -145,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                 monitoring.stop()
 
 
-def _report(args, sidecar, monitoring, started: float) -> None:
+def _report(args: argparse.Namespace, sidecar: SidecarProcess, monitoring: Monitoring | None, started: float) -> None:
     """The run's incident report, from Prometheus when it ran (alert state included), else the sidecar."""
     try:
         from pdwatch.report.write import write_report
@@ -160,7 +168,7 @@ def _report(args, sidecar, monitoring, started: float) -> None:
     print(f"incident report: {page} (PNG plots beside it)")
 
 
-def _gpu_emulation():
+def _gpu_emulation() -> GpuEmulator | None:
     """Emulated GPUs behind the NVML stub, when the stub is built (make demo builds it)."""
     from pdwatch.testbed.gpu_emulation import GpuEmulator
 
@@ -170,13 +178,14 @@ def _gpu_emulation():
         return None
 
 
-def _watch(args, stack, sidecar, monitoring, expect_stuck: bool) -> int:
+def _watch(args: argparse.Namespace, stack: Stack | SglangStack, sidecar: SidecarProcess,
+           monitoring: Monitoring | None, expect_stuck: bool) -> int:
     t0 = time.monotonic()
-    detected_at = None
+    detected_at: float | None = None
     ok_at_detection = 0
-    stuck: list = []
-    summary: dict = {}
-    fault_at = None
+    stuck: list[dict[str, Any]] = []
+    summary: dict[str, Any] = {}
+    fault_at: float | None = None
     while time.monotonic() - t0 < args.timeout_s:
         time.sleep(1.0)
         for event in stack.poll_events():
@@ -248,17 +257,20 @@ def _watch(args, stack, sidecar, monitoring, expect_stuck: bool) -> int:
     return _await_page(args, stack, sidecar, monitoring, fault_at)
 
 
-def _await_page(args, stack, sidecar, monitoring, fault_at) -> int:
+def _await_page(args: argparse.Namespace, stack: Stack | SglangStack, sidecar: SidecarProcess,
+                monitoring: Monitoring, fault_at: float | None) -> int:
     print()
     print(f"Waiting for Alertmanager to page {HEADLINE} (5 s for legs stuck on evidence, a minute for legs "
           "past their threshold) ...", flush=True)
-    deadline = (fault_at or time.time()) + args.page_timeout_s
+    # Counted from the fault; from now when the testbed reported none (the sidecar saw stuck legs first).
+    since = time.time() if fault_at is None else fault_at
+    deadline = since + args.page_timeout_s
     last = 0.0
     while time.time() < deadline:
         pages = monitoring.webhook.alerts(HEADLINE)
         if pages:
             t, path, alert = pages[0]
-            print(f"PAGE received at the webhook {path}, {t - fault_at:.0f} s after the fault:")
+            print(f"PAGE received at the webhook {path}, {t - since:.0f} s after the fault:")
             for key, value in sorted(alert["labels"].items()):
                 print(f"  {key}={value}")
             notes = alert["annotations"]
@@ -273,7 +285,7 @@ def _await_page(args, stack, sidecar, monitoring, fault_at) -> int:
         if time.time() - last >= 10:
             last = time.time()
             names = monitoring.alert_names()  # one request for both states
-            print(f"  {time.time() - fault_at:5.0f} s since the fault: stuck={len(sidecar.get('/api/v1/stuck'))}, "
+            print(f"  {time.time() - since:5.0f} s since the fault: stuck={len(sidecar.get('/api/v1/stuck'))}, "
                   f"pending alerts {names['pending'] or '-'}, firing {names['firing'] or '-'}", flush=True)
         time.sleep(1)
     print(f"FAIL: no page within {args.page_timeout_s:.0f} s of the fault")

@@ -8,6 +8,7 @@ not installed stops with the pip line that fixes it, not a traceback.
 from __future__ import annotations
 
 import importlib
+import types
 
 # Command -> the extra that brings what it imports.
 EXTRA_OF = {
@@ -28,7 +29,7 @@ class MissingExtra(RuntimeError):
         self.command, self.extra, self.module = command, extra, module
 
 
-def load(command: str, module_name: str):
+def load(command: str, module_name: str) -> types.ModuleType:
     """Import a command's module; a third-party module missing from its extra is a MissingExtra."""
     try:
         return importlib.import_module(module_name)
