@@ -86,16 +86,17 @@ def fetch(settings: client.ClientSettings, flow_window_s: float) -> list[dict[st
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        settings = client.ClientSettings.from_sources(vars(args))
-        if args.flow_window_s is None:
-            from pdwatch.sidecar.settings import Settings
-
-            # The sidecars' own setting, so the cluster-wide verdict judges flow as they do.
-            args.flow_window_s = Settings.from_sources({}).flow_window_s
-    except ValueError as exc:
-        print(f"pdwatch diagnose: {exc}", file=sys.stderr)
+    settings = client.for_command("pdwatch diagnose", args)
+    if settings is None:
         return 2
+    if args.flow_window_s is None:
+        from pdwatch.sidecar.settings import Settings
+
+        try:  # the sidecars' own setting, so the cluster-wide verdict judges flow as they do
+            args.flow_window_s = Settings.from_sources({}).flow_window_s
+        except ValueError as exc:
+            print(f"pdwatch diagnose: {exc}", file=sys.stderr)
+            return 2
     try:
         verdicts = fetch(settings, args.flow_window_s)
     except RuntimeError as exc:  # SidecarError, PrometheusError

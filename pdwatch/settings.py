@@ -9,6 +9,7 @@ help; `ClientSettings.from_sources` says which flag or variable was wrong.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Mapping
 from typing import Annotated, Any
 
@@ -154,3 +155,13 @@ def markdown_table() -> str:
     for name, info in ClientSettings.model_fields.items():
         rows.append(f"| `{flag(name)}` | `{env_name(name)}` | {_shown(name)} | {info.description} |")
     return "\n".join(rows)
+
+
+def for_command(prog: str, args: argparse.Namespace) -> ClientSettings | None:
+    """A client command's settings from its flags, else the environment, else defaults; None after
+    saying on stderr which flag or variable was wrong (the command then exits 2)."""
+    try:
+        return ClientSettings.from_sources(vars(args))
+    except ValueError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return None

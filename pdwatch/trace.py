@@ -260,10 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     if not TRACE_ID.match(args.trace_id):
         print(f"pdwatch trace: {args.trace_id!r} is not a trace id (32 hex digits)", file=sys.stderr)
         return 2
-    try:
-        settings = client.ClientSettings.from_sources(vars(args))
-    except ValueError as exc:
-        print(f"pdwatch trace: {exc}", file=sys.stderr)
+    settings = client.for_command("pdwatch trace", args)
+    if settings is None:
         return 2
     try:
         detail, family = fetch(settings, args.trace_id.lower())

@@ -45,10 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        settings = client.ClientSettings.from_sources(vars(args))
-    except ValueError as exc:
-        print(f"pdwatch report: {exc}", file=sys.stderr)
+    settings = client.for_command("pdwatch report", args)
+    if settings is None:
         return 2
     try:
         now = time.time()
