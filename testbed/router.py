@@ -64,11 +64,11 @@ class Truth:
         return out
 
 
-class TruthKeeper:
-    """What a client of a stack keeps of every request it sends (the ground truth), and its ids.
+class StackClient:
+    """What sends a stack's requests and keeps what it saw of each (the ground truth).
 
-    `Router` (the emulated stack's) and `sglang_pd.client.RouterClient` (a client of
-    SGLang's router) send differently; both record here alike.
+    `Router` (the emulated stack's own) and `sglang_pd.client.RouterClient` (a client of
+    SGLang's router) send differently and record alike, here.
     """
 
     # Whether truth() hands out copies, frozen as they are now, or the live records.
@@ -115,12 +115,20 @@ class TruthKeeper:
             records = [replace(r) for r in self.records] if self.truth_copies else list(self.records)
             return Truth(requests=records, restarts=list(self.restarts))
 
+    def send(self, prompt_tokens: int, max_tokens: int) -> RequestRecord | None:
+        """Start one request (None: not sent, the client is closed or full)."""
+        raise NotImplementedError
 
-class Router(TruthKeeper):
+    def close(self) -> None:
+        """Stop sending; requests still open stay open in the truth."""
+        raise NotImplementedError
+
+
+class Router(StackClient):
     """Sends each request to the prefill and a decode (round robin) and reads the decode's tokens back.
 
     `seed` is taken as the live client takes it; nothing here draws from it (rooms and trace ids
-    differ on every run, see TruthKeeper).
+    differ on every run, see StackClient).
     """
 
     def __init__(self, prefill_port: int, decodes: dict[str, int], *, seed: int = 1, traceparent: bool = False,

@@ -19,13 +19,13 @@ import time
 
 from pdwatch import contract as c
 
-from ..router import RequestRecord, TruthKeeper
+from ..router import RequestRecord, StackClient
 from .model import VOCAB
 
 log = logging.getLogger("pdwatch.testbed.sglang_pd.client")
 
 
-class RouterClient(TruthKeeper):
+class RouterClient(StackClient):
     # Copies: a request still open in a truth stays open in it, whatever comes later.
     truth_copies = True
 
