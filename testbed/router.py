@@ -12,13 +12,20 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import TypedDict
 
 from pdwatch import contract as c
 
-from .wire import Conn
+from .wire import Conn, Message
 
 log = logging.getLogger("pdwatch.testbed.router")
+
+
+class Restart(TypedDict):
+    instance: str
+    t: float  # wall clock of the kill
 
 
 @dataclass
@@ -43,7 +50,7 @@ class Truth:
     """The router's view: every request sent, and the restarts the stack performed."""
 
     requests: list[RequestRecord]
-    restarts: list[dict] = field(default_factory=list)
+    restarts: list[Restart] = field(default_factory=list)
 
     @property
     def open(self) -> list[RequestRecord]:
@@ -81,7 +88,7 @@ class StackClient:
         self.traceparent = traceparent
         self.max_open = max_open
         self.records: list[RequestRecord] = []
-        self.restarts: list[dict] = []
+        self.restarts: list[Restart] = []
         self.rejected = 0  # requests not sent because max_open were in flight
         self._lock = threading.Lock()
         self._closed = False
@@ -147,7 +154,7 @@ class Router(StackClient):
 
     # ---- sending ---------------------------------------------------------
 
-    def _prefill_call(self, msg: dict) -> None:
+    def _prefill_call(self, msg: Message) -> None:
         with self._prefill_lock:
             for attempt in (1, 2):
                 try:
@@ -173,7 +180,8 @@ class Router(StackClient):
             decode = self._order[self._rr % len(self._order)]
             self._rr += 1
             tp = self._new_traceparent()
-            trace_id = c.parse_traceparent(tp)[0] if tp else c.room_trace_id(room)
+            parsed = c.parse_traceparent(tp)
+            trace_id = parsed[0] if parsed else c.room_trace_id(room)
             rec = RequestRecord(index=len(self.records), room=room, trace_id=f"{trace_id:032x}", decode=decode,
                                 prompt_tokens=prompt_tokens, max_tokens=max_tokens, sent_at=time.time(),
                                 traceparent=tp)
@@ -247,8 +255,8 @@ class Router(StackClient):
 class LoadGenerator:
     """Sends requests at `rate` per second (Poisson arrivals), bounded in count and time."""
 
-    def __init__(self, router: Router, shape, *, rate: float, seed: int, duration_s: float | None,
-                 max_requests: int):
+    def __init__(self, router: StackClient, shape: Callable[[random.Random, int], tuple[int, int]], *, rate: float,
+                 seed: int, duration_s: float | None, max_requests: int):
         if not rate > 0:
             raise ValueError(f"rate must be positive, got {rate}")
         self.router = router

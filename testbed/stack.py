@@ -113,8 +113,7 @@ class Stack(StackBase):
         if self.gpus is not None:
             self._feed = GpuFeed(self.gpus)
             for key, proc in self.engines.items():
-                self._feed.add(Feed(self.gpu_of[key], self._status_path(key),
-                                    lambda p=proc: p.pid if p.alive() else None))
+                self._feed.add(Feed(self.gpu_of[key], self._status_path(key), proc.live_pid))
             self._feed.start()
         return Router(prefill.info["api_port"], {p.instance: p.info["api_port"] for p in decodes},
                       seed=self.seed, traceparent=self.traceparent)

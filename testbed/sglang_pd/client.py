@@ -44,7 +44,8 @@ class RouterClient(StackClient):
             if not self._admit(self._open):
                 return None
             tp = self._new_traceparent()
-            trace_id = f"{c.parse_traceparent(tp)[0]:032x}" if tp else ""
+            parsed = c.parse_traceparent(tp)
+            trace_id = f"{parsed[0]:032x}" if parsed else ""
             ids = [self.rng.randrange(3, VOCAB) for _ in range(prompt_tokens)]
             rec = RequestRecord(index=len(self.records), room=-1, trace_id=trace_id, decode="",
                                 prompt_tokens=prompt_tokens, max_tokens=max_tokens, sent_at=time.time(),

@@ -69,9 +69,13 @@ class SglangStack(StackBase):
     # ---- processes ---------------------------------------------------------
 
     @property
-    def state_dir(self) -> Path:
+    def _folder(self) -> Path:
         assert self._dir is not None, "the stack is not started"
-        return self._dir / "state"
+        return self._dir
+
+    @property
+    def state_dir(self) -> Path:
+        return self._folder / "state"
 
     def _env(self, instance: str) -> dict[str, str]:
         env = {
@@ -89,7 +93,7 @@ class SglangStack(StackBase):
         return env
 
     def _server(self, instance: str, role: str, ports: ServerPorts) -> SglangServer:
-        server = SglangServer(instance, role, self._dir / "model", ports, self._env(instance),
+        server = SglangServer(instance, role, self._folder / "model", ports, self._env(instance),
                               context_length=self.context_length, max_total_tokens=4 * self.context_length,
                               max_running=PREFILL_MAX_RUNNING if role == "prefill" else DECODE_MAX_RUNNING)
         self.servers[instance] = self.engines[instance] = server
