@@ -3,7 +3,7 @@
 # and mypy strict on the contract, the engine side and the sidecar, checked
 # against Python 3.10 (the oldest Python SGLang runs on). mypy reads the layer
 # folders through build/typecheck/pdwatch, linked as the wheel installs them.
-TYPED := contract engine_patches sidecar
+TYPED := contract engine_patches sidecar testbed
 
 .PHONY: lint
 lint: $(STAMP)
