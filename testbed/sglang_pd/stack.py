@@ -46,7 +46,6 @@ PREFILL_MAX_RUNNING = 64
 
 class SglangStack(StackBase):
     catalogue = scenarios.CATALOGUE
-
     defaults = StackArgs(rate=2.0, restart_at=10.0, traceparent=True, token_interval_s=0.02, ready_timeout_s=240.0,
                          stop_timeout_s=15.0)
 
@@ -55,7 +54,7 @@ class SglangStack(StackBase):
         super().__init__(scenario, **args)
         self.context_length = context_length
         self.plugin = plugin
-        self.load = load  # False: no load generator; the caller sends requests (benchmarks)
+        self.load = load  # False: the caller sends the requests (benchmarks)
         self._dir: Path | None = None
         self.servers: dict[str, SglangServer] = {}
         self.sglang_router: SglangRouter | None = None
