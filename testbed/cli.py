@@ -17,7 +17,9 @@ import time
 from pdwatch import contract as c
 
 from . import scenarios
+from .router import Truth
 from .sglang_pd import scenarios as sglang_scenarios
+from .stack_base import StackArgs, StackBase
 
 ENGINES = {"emulated": scenarios.SCENARIOS, "sglang": sglang_scenarios.SCENARIOS}
 
@@ -61,11 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _line(t: float, truth) -> str:
+def _line(t: float, truth: Truth) -> str:
     reqs = truth.requests
     ok = sum(1 for r in reqs if r.outcome == "ok")
     bad = sum(1 for r in reqs if r.outcome not in (None, "ok"))
-    open_by = {}
+    open_by: dict[str, int] = {}
     for r in truth.open:
         key = r.decode or "all"  # SGLang's router picks the decode; its client cannot see which
         open_by[key] = open_by.get(key, 0) + 1
@@ -81,20 +83,25 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"scenario {args.scenario!r} does not exist for --engine {args.engine} "
                  f"(choose from {', '.join(sorted(ENGINES[args.engine]))})")
     sglang = args.engine == "sglang"
-    rate = args.rate if args.rate is not None else (2.0 if sglang else scenarios.get(args.scenario).rate or 4.0)
-    restart_at = args.restart_at if args.restart_at is not None else (10.0 if sglang else 8.0)
-    common = dict(otlp_endpoint=args.otlp_endpoint, heartbeat_s=args.heartbeat_s, rate=rate, restart_at=restart_at,
-                  seed=args.seed, decode_floor_s=args.decode_floor_s, cluster=args.cluster,
-                  duration_s=args.duration_s, decodes=args.decodes)
+    kind: type[StackBase]
+    if sglang:
+        from .sglang_pd.stack import SglangStack
+
+        kind = SglangStack
+    else:
+        from .stack import Stack
+
+        kind = Stack
+    # Unless told: the scenario's own rate, else the stack's; the stack's fault time.
+    rate = args.rate if args.rate is not None else kind.catalogue.get(args.scenario).rate or kind.defaults["rate"]
+    restart_at = args.restart_at if args.restart_at is not None else kind.defaults["restart_at"]
+    stack_args = StackArgs(otlp_endpoint=args.otlp_endpoint, heartbeat_s=args.heartbeat_s, rate=rate,
+                           restart_at=restart_at, seed=args.seed, decode_floor_s=args.decode_floor_s,
+                           cluster=args.cluster, duration_s=args.duration_s, decodes=args.decodes)
+    if not sglang:
+        stack_args["traceparent"] = args.traceparent  # the live client always sends one
     try:
-        if sglang:
-            from .sglang_pd.stack import SglangStack
-
-            stack = SglangStack(args.scenario, **common)
-        else:
-            from .stack import Stack
-
-            stack = Stack(args.scenario, traceparent=args.traceparent, **common)
+        stack = kind(args.scenario, **stack_args)
     except ValueError as e:
         print(f"pdwatch testbed: {e}", file=sys.stderr)
         return 2

@@ -13,6 +13,7 @@ keeps its endpoint (the router and the prefill know it by that).
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import queue
@@ -28,9 +29,10 @@ from pdwatch import contract as c
 from pdwatch.engine_patches import recorder as pdrec
 
 from . import kv
+from .engine import Ready
 from .engine_status import StatusWriter
 from .tp import IDLE_TURN_S, TpLeader
-from .wire import Conn, LineServer, WireError, room_of
+from .wire import Conn, LineServer, Message, WireError, room_of
 
 log = logging.getLogger("pdwatch.testbed.decode")
 
@@ -61,8 +63,8 @@ class BootstrapClient:
 
     def __init__(self, port: int):
         self.port = port
-        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self.results: deque = deque()  # (req, error or None)
+        self.jobs: queue.SimpleQueue[tuple[DecodeReq, Message]] = queue.SimpleQueue()
+        self.results: deque[tuple[DecodeReq, str | None]] = deque()  # (req, error or None)
         self._conn: Conn | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bootstrap-client", daemon=True)
@@ -70,7 +72,7 @@ class BootstrapClient:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, req: DecodeReq, msg: dict) -> None:
+    def submit(self, req: DecodeReq, msg: Message) -> None:
         self.jobs.put((req, msg))
 
     def _run(self) -> None:
@@ -81,7 +83,7 @@ class BootstrapClient:
                 continue
             self.results.append((req, self._register(msg)))
 
-    def _register(self, msg: dict) -> str | None:
+    def _register(self, msg: Message) -> str | None:
         for attempt in (1, 2):  # one reconnect: the prefill may have closed an idle connection
             try:
                 if self._conn is None:
@@ -103,7 +105,7 @@ class BootstrapClient:
 
 
 class DecodeEngine:
-    def __init__(self, args):
+    def __init__(self, args: argparse.Namespace):
         self.args = args
         if not args.prefill_bootstrap_port:
             raise SystemExit("decode needs --prefill-bootstrap-port")
@@ -122,13 +124,13 @@ class DecodeEngine:
         # After registering: the metadata carries the registrations the prefill writes into.
         self.metadata = kv.metadata_b64(self.agent)
         self.boot = BootstrapClient(args.prefill_bootstrap_port)
-        self.inbox: deque = deque()
+        self.inbox: deque[tuple[Message, Conn]] = deque()
         self.prealloc: deque[DecodeReq] = deque()
         self.registering: dict[int, DecodeReq] = {}
         self.transfer: dict[int, DecodeReq] = {}
         self.waiting: deque[DecodeReq] = deque()
         self.running: list[DecodeReq] = []
-        self.unexpected: deque = deque(maxlen=MAX_UNEXPECTED_NOTIFS)
+        self.unexpected: deque[str] = deque(maxlen=MAX_UNEXPECTED_NOTIFS)
         self.early: dict[int, str] = {}  # rooms whose KV arrived while still registering
         self.kv_bytes_checked = 0
         self._seq = 0
@@ -144,7 +146,7 @@ class DecodeEngine:
 
     # ---- server thread ---------------------------------------------------
 
-    def _on_api(self, msg: dict, conn: Conn):
+    def _on_api(self, msg: Message, conn: Conn) -> Message | None:
         op = msg.get("op")
         if op == "generate":
             try:
@@ -288,6 +290,7 @@ class DecodeEngine:
             self.unexpected.append(text)
             self.rec.counter("kv_unexpected_notifs")
             return
+        assert req.slot is not None, "a request in transfer holds its KV slot"
         got = self.pool.view(req.slot, req.nbytes)
         if not np.array_equal(got, kv.kv_pattern(req.room, req.nbytes)):
             self.rec.counter("kv_checksum_errors")
@@ -354,7 +357,7 @@ class DecodeEngine:
 
     # ---- life cycle ------------------------------------------------------
 
-    def start(self) -> dict:
+    def start(self) -> Ready:
         self.status.start()
         self.boot.start()
         self.api.serve_in_thread("api-server")

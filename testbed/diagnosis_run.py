@@ -17,12 +17,26 @@ from __future__ import annotations
 import time
 import zlib
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from pdwatch import contract as c
 
 from . import scenarios
 from .gpu_emulation import GpuEmulator
+from .router import Truth
 from .stack import Stack
+from .stack_base import Event
+
+# One cluster's verdict, as /api/v1/diagnosis gives it (JSON).
+Verdict = dict[str, Any]
+
+
+class Sidecar(Protocol):
+    """What a run needs of a started sidecar (a `SidecarProcess` has it)."""
+
+    url: str
+
+    def get(self, path: str) -> Any: ...  # the JSON answer
 
 HEARTBEAT_S = 0.5
 FAULT_AT_S = 3.0
@@ -59,22 +73,23 @@ class ScenarioRun:
     expected: str | None
     fault_at: float | None = None  # wall clock of the fault (the scenario action), None without one
     # (seconds since the stack's load began, the cluster's verdict from /api/v1/diagnosis)
-    timeline: list = field(default_factory=list)
-    events: list = field(default_factory=list)
-    truth: object = None
+    timeline: list[tuple[float, Verdict]] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+    truth: Truth | None = None
     ok_legs: int = 0
 
     @property
-    def families(self) -> list:
+    def families(self) -> list[str | None]:
         return [v["family"] for _t, v in self.timeline]
 
     @property
-    def final(self) -> dict | None:
+    def final(self) -> Verdict | None:
         return self.timeline[-1][1] if self.timeline else None
 
     @property
     def final_family(self) -> str | None:
-        return self.final["family"] if self.final else None
+        family: str | None = self.final["family"] if self.final else None
+        return family
 
     @property
     def latency_s(self) -> float | None:
@@ -89,14 +104,14 @@ class ScenarioRun:
     t0: float = 0.0
 
 
-def _verdict(diagnosis: list, cluster: str) -> dict:
+def _verdict(diagnosis: list[Verdict], cluster: str) -> Verdict:
     for v in diagnosis:
         if v["cluster"] == cluster:
             return v
     return {"cluster": cluster, "family": None, "confidence": 0.0, "evidence": [], "findings": []}
 
 
-def run_scenario(name: str, sidecar, gpus: GpuEmulator | None, *, cluster: str | None = None, seed: int = 1,
+def run_scenario(name: str, sidecar: Sidecar, gpus: GpuEmulator | None, *, cluster: str | None = None, seed: int = 1,
                  rate: float | None = None, watch_s: float | None = None, poll_s: float = 0.5) -> ScenarioRun:
     """Start the scenario's stack against `sidecar` (a started SidecarProcess), poll the diagnosis from the
     start until `watch_s` after the fault, stop the stack. The cluster is named after the scenario."""

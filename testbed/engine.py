@@ -13,12 +13,32 @@ import logging
 import signal
 import sys
 import threading
+from typing import Protocol, TypedDict
 
 # Constants only: numpy and NIXL load when the engine is built, not for --help.
 BYTES_PER_TOKEN = 128
 SLOT_BYTES = 32768
 
 log = logging.getLogger("pdwatch.testbed.engine")
+
+
+class Ready(TypedDict, total=False):
+    """The one JSON line an engine process prints once it is ready (what its role knows)."""
+
+    ready: bool
+    role: str
+    instance: str
+    agent: str  # its NIXL agent name (a TP follower has none)
+    api_port: int  # where the router reaches it
+    bootstrap_port: int  # prefill: its bootstrap server
+    endpoint: str  # decode: the address the prefill knows it by
+    tp_rank: int
+
+
+class Engine(Protocol):
+    def start(self) -> Ready: ...
+
+    def shutdown(self) -> None: ...
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,13 +91,19 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--tp-size must be 1 or 2 and --tp-rank below it, got {args.tp_size}, {args.tp_rank}")
     if args.tp_size > 1 and (args.role != "decode" or not args.tp_port):
         raise SystemExit("a TP group is a decode with --tp-port")
+    engine: Engine
     if args.role == "prefill":
-        from .prefill import PrefillEngine as Engine
+        from .prefill import PrefillEngine
+
+        engine = PrefillEngine(args)
     elif args.tp_rank > 0:
-        from .tp import TpFollower as Engine
+        from .tp import TpFollower
+
+        engine = TpFollower(args)
     else:
-        from .decode import DecodeEngine as Engine
-    engine = Engine(args)
+        from .decode import DecodeEngine
+
+        engine = DecodeEngine(args)
     fault = getattr(engine, "fault", None)
     if fault is not None:
         # SIGUSR1 injects the engine's fault (a TP follower stops joining steps).

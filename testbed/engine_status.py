@@ -16,6 +16,17 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import TypedDict, cast
+
+
+class Status(TypedDict, total=False):
+    """The file's one JSON object (a reader takes what it finds: a missing key reads as 0)."""
+
+    work: float  # share of the last interval the GPU computed
+    spin: float  # share of it spent waiting in a collective
+    pid: int
+    t: float  # wall clock of the write
+
 
 STALE_AFTER_S = 1.5  # a status older than this: the process stopped reporting
 
@@ -59,7 +70,9 @@ class StatusWriter:
             self._write({"work": min(1.0, work / span), "spin": min(1.0, spin / span), "pid": os.getpid(),
                          "t": time.time()})
 
-    def _write(self, status: dict) -> None:
+    def _write(self, status: Status) -> None:
+        if self.path is None:  # the thread runs only with a path
+            return
         tmp = self.path.with_name(self.path.name + ".tmp")
         try:
             tmp.write_text(json.dumps(status))
@@ -73,7 +86,7 @@ class StatusWriter:
             self._thread.join(1.0)
 
 
-def read_status(path: str | os.PathLike[str], now: float | None = None) -> dict | None:
+def read_status(path: str | os.PathLike[str], now: float | None = None) -> Status | None:
     """The engine's last status, or None when it is missing, unreadable or stale."""
     now = time.time() if now is None else now
     try:
@@ -82,4 +95,4 @@ def read_status(path: str | os.PathLike[str], now: float | None = None) -> dict 
         return None
     if not isinstance(status, dict) or now - float(status.get("t", 0)) > STALE_AFTER_S:
         return None
-    return status
+    return cast(Status, status)

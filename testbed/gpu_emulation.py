@@ -18,8 +18,9 @@ import shutil
 import tempfile
 import threading
 import uuid as uuidlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from pdwatch import contract as c
 
@@ -36,6 +37,24 @@ H200_MEMORY = 141 * 10**9
 _UNSET: Any = object()
 
 
+class _Device(TypedDict):
+    """One emulated device: what it is, and what it reports now."""
+
+    uuid: str
+    name: str
+    power_limit_w: float
+    idle_w: float
+    memory_total: int
+    utilization: float  # a fraction
+    memory_utilization: float
+    power_w: float
+    memory_used: int
+    pids: tuple[int, ...]
+    error: str | None  # an NVML error name every query fails with
+    fail: dict[str, str]  # query -> NVML error name
+    delay_ms: int
+
+
 class GpuEmulator:
     def __init__(self, path: str | os.PathLike[str], devices: list[dict[str, Any]], driver: str = "560.35.03-emulated") -> None:
         """`devices`: dicts with `index`, `uuid`, and optionally `name`,
@@ -44,7 +63,7 @@ class GpuEmulator:
         self._driver = _text(driver, "driver")
         self._system_errors: dict[str, str] = {}  # init_error / count_error
         self._lock = threading.Lock()
-        self._devices: dict[int, dict[str, Any]] = {}
+        self._devices: dict[int, _Device] = {}
         self._claimed: set[int] = set()
         self._deferred = 0  # open batch() blocks: writes wait for the last to close
         self._dirty = False
@@ -118,7 +137,7 @@ class GpuEmulator:
             self._claimed.difference_update(indices)
 
     @contextlib.contextmanager
-    def batch(self):
+    def batch(self) -> Iterator[GpuEmulator]:
         """Changes made inside reach the file in one write, at the end."""
         with self._lock:
             self._deferred += 1
@@ -217,7 +236,7 @@ class GpuEmulator:
 
     # ---- the file ---------------------------------------------------------
 
-    def _device(self, index: int) -> dict[str, Any]:
+    def _device(self, index: int) -> _Device:
         try:
             return self._devices[int(index)]
         except KeyError:

@@ -12,8 +12,15 @@ import base64
 import importlib
 import os
 import threading
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import numpy as np
+import numpy.typing as npt
+
+if TYPE_CHECKING:
+    # The wheel the testbed pins; the `nixl` meta package, its fallback, has the same API.
+    from nixl_cu12._api import nixl_agent
 
 # UCX over loopback TCP: the only transport this machine is sure to have.
 UCX_DEFAULTS = {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp,self,sm"}
@@ -24,7 +31,7 @@ def ucx_env() -> None:
         os.environ.setdefault(key, value)
 
 
-def _nixl_api():
+def _nixl_api() -> ModuleType:
     # The `nixl` meta package picks its backend wheel by CUDA version and, with
     # a CPU torch in the environment, imports all of torch to learn there is
     # none (2.5 s per engine start). The testbed pins the nixl-cu12 wheel, so it
@@ -35,16 +42,17 @@ def _nixl_api():
         return importlib.import_module("nixl._api")
 
 
-def make_agent(name: str):
+def make_agent(name: str) -> nixl_agent:
     ucx_env()
     api = _nixl_api()
     # No NIXL progress thread: the Python API starts it with no delay, so it
     # spins a whole core per engine. The engines' loops drive progress instead
     # (the decode polls notifications, the prefill's sender polls its transfers).
-    return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"], enable_prog_thread=False))
+    agent: nixl_agent = api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"], enable_prog_thread=False))
+    return agent
 
 
-def kv_pattern(room: int, nbytes: int) -> np.ndarray:
+def kv_pattern(room: int, nbytes: int) -> npt.NDArray[np.uint8]:
     """The KV bytes of one room: deterministic, different for every room."""
     rng = np.random.default_rng(int(room) & ((1 << 63) - 1))
     return rng.integers(0, 256, size=nbytes, dtype=np.uint8)
@@ -53,7 +61,7 @@ def kv_pattern(room: int, nbytes: int) -> np.ndarray:
 class SlotPool:
     """A registered buffer split into `slots` slots of `slot_bytes`; bounded free list."""
 
-    def __init__(self, agent, slots: int, slot_bytes: int):
+    def __init__(self, agent: nixl_agent, slots: int, slot_bytes: int):
         if slots < 1 or slot_bytes < 1:
             raise ValueError(f"pool needs slots >= 1 and slot_bytes >= 1, got {slots}, {slot_bytes}")
         self.slots = slots
@@ -80,12 +88,12 @@ class SlotPool:
     def addr(self, slot: int) -> int:
         return self.base + slot * self.slot_bytes
 
-    def view(self, slot: int, nbytes: int) -> np.ndarray:
+    def view(self, slot: int, nbytes: int) -> npt.NDArray[np.uint8]:
         start = slot * self.slot_bytes
         return self.buf[start : start + nbytes]
 
 
-def metadata_b64(agent) -> str:
+def metadata_b64(agent: nixl_agent) -> str:
     return base64.b64encode(agent.get_agent_metadata()).decode("ascii")
 
 

@@ -11,6 +11,7 @@ except waits shortened so a demo does not sit through production timers).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import tempfile
@@ -18,12 +19,17 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import httpx
 import yaml
 
 from pdwatch import alerts
-from pdwatch.testbed.sidecar_process import free_port
+
+from .processes import free_port
+
+# A JSON object as Prometheus, Alertmanager and its webhooks send them.
+Json = dict[str, Any]
 
 RULES = Path(alerts.__file__).resolve().parent / "pdwatch-alerts.yml"
 AM_CONFIG = RULES.with_name("alertmanager.example.yml")
@@ -36,13 +42,13 @@ class MonitoringError(RuntimeError):
 class WebhookRecorder:
     """An Alertmanager webhook receiver that keeps what it was sent, with arrival times."""
 
-    def __init__(self):
-        self.received: list[tuple[float, str, dict]] = []  # (time.time(), path, payload)
+    def __init__(self) -> None:
+        self.received: list[tuple[float, str, Json]] = []  # (time.time(), path, payload)
         self._lock = threading.Lock()
         recorder = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
+            def do_POST(self) -> None:
                 length = int(self.headers.get("content-length") or 0)
                 body = self.rfile.read(min(length, 1 << 20))
                 try:
@@ -54,7 +60,7 @@ class WebhookRecorder:
                 self.send_response(200)
                 self.end_headers()
 
-            def log_message(self, *args):
+            def log_message(self, format: str, *args: Any) -> None:
                 pass
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -69,7 +75,7 @@ class WebhookRecorder:
         self.server.shutdown()
         self.server.server_close()
 
-    def alerts(self, name: str | None = None, status: str = "firing") -> list[tuple[float, str, dict]]:
+    def alerts(self, name: str | None = None, status: str = "firing") -> list[tuple[float, str, Json]]:
         """(arrival time, receiver path, alert) for each alert in each notification."""
         with self._lock:
             out = []
@@ -89,6 +95,12 @@ def _binary(*names: str) -> str:
                           "prometheus-alertmanager; `make test` installs them)")
 
 
+def _program(proc: subprocess.Popen[bytes]) -> str:
+    """The program a process runs, for messages."""
+    args = proc.args  # a list here: Monitoring starts each with one
+    return os.fsdecode(args[0]) if isinstance(args, list) else str(args)
+
+
 class Monitoring:
     def __init__(self, sidecars: list[str], *, scrape_interval_s: float = 2.0, evaluation_interval_s: float = 1.0,
                  group_wait_s: float = 1.0, rules: Path = RULES, am_config: Path = AM_CONFIG,
@@ -96,19 +108,22 @@ class Monitoring:
         self.sidecars = [s.replace("http://", "").rstrip("/") for s in sidecars]
         self.scrape_s, self.eval_s, self.group_wait_s = scrape_interval_s, evaluation_interval_s, group_wait_s
         self.rules, self.am_config = Path(rules), Path(am_config)
-        self._tmp = tempfile.TemporaryDirectory(prefix="pdwatch-monitoring-") if workdir is None else None
-        self.dir = Path(workdir or self._tmp.name)
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        if workdir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="pdwatch-monitoring-")
+            workdir = self._tmp.name
+        self.dir = Path(workdir)
         self.webhook = WebhookRecorder()
         self.prom_port, self.am_port = free_port(), free_port()
         self.prometheus_url = f"http://127.0.0.1:{self.prom_port}"
         self.alertmanager_url = f"http://127.0.0.1:{self.am_port}"
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[subprocess.Popen[bytes]] = []
 
-    def _alertmanager_config(self) -> dict:
-        config = yaml.safe_load(self.am_config.read_text())
+    def _alertmanager_config(self) -> Json:
+        config: Json = yaml.safe_load(self.am_config.read_text())
         wait = f"{self.group_wait_s:g}s"
 
-        def shorten(route: dict) -> None:
+        def shorten(route: Json) -> None:
             route["group_wait"] = wait
             route["group_interval"] = f"{max(self.group_wait_s, 1):g}s"
             for child in route.get("routes", []):
@@ -122,7 +137,7 @@ class Monitoring:
                 hook["url"] = self.webhook.url + path
         return config
 
-    def _prometheus_config(self) -> dict:
+    def _prometheus_config(self) -> Json:
         return {
             "global": {"scrape_interval": f"{self.scrape_s:g}s", "evaluation_interval": f"{self.eval_s:g}s"},
             "rule_files": [str(self.rules)],
@@ -167,7 +182,7 @@ class Monitoring:
             for p in self.procs:
                 if p.poll() is not None:
                     tail = (self.dir / "monitoring.log").read_text(errors="replace")[-2000:]
-                    raise MonitoringError(f"{p.args[0]} exited with status {p.returncode}:\n{tail}")
+                    raise MonitoringError(f"{_program(p)} exited with status {p.returncode}:\n{tail}")
             try:
                 if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
                     return
@@ -176,23 +191,25 @@ class Monitoring:
             time.sleep(0.2)
         raise MonitoringError(f"{url} not ready after {timeout_s:.0f} s")
 
-    def query(self, expr: str) -> list[dict]:
+    def query(self, expr: str) -> list[Json]:
         r = httpx.get(f"{self.prometheus_url}/api/v1/query", params={"query": expr}, timeout=10)
         body = r.json()
         if body.get("status") != "success":
             raise MonitoringError(f"query {expr!r}: {body.get('error')}")
-        return body["data"]["result"]
+        result: list[Json] = body["data"]["result"]
+        return result
 
-    def alerts(self) -> list[dict]:
+    def alerts(self) -> list[Json]:
         """Every alert Prometheus holds now, pending or firing."""
-        return httpx.get(f"{self.prometheus_url}/api/v1/alerts", timeout=10).json()["data"]["alerts"]
+        held: list[Json] = httpx.get(f"{self.prometheus_url}/api/v1/alerts", timeout=10).json()["data"]["alerts"]
+        return held
 
-    def firing(self) -> list[dict]:
+    def firing(self) -> list[Json]:
         return [a for a in self.alerts() if a["state"] == "firing"]
 
     def alert_names(self) -> dict[str, list[str]]:
         """The names of the alerts held now by state ("pending", "firing"), sorted, each once; one request."""
-        names: dict[str, set] = {"pending": set(), "firing": set()}
+        names: dict[str, set[str]] = {"pending": set(), "firing": set()}
         for a in self.alerts():
             names.setdefault(a["state"], set()).add(a["labels"]["alertname"])
         return {state: sorted(n) for state, n in names.items()}
@@ -219,5 +236,5 @@ class Monitoring:
             self.stop()
             raise
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -16,6 +16,7 @@ stays in `transfer` for good. That is the incident the testbed reproduces.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import queue
@@ -24,15 +25,21 @@ import threading
 import time
 import uuid
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdwatch import contract as c
 from pdwatch.engine_patches import recorder as pdrec
 
 from . import kv
+from .engine import Ready
 from .engine_status import StatusWriter
 from .tp import IDLE_TURN_S
-from .wire import LineServer, WireError, room_of
+from .wire import Conn, LineServer, Message, WireError, room_of
+
+if TYPE_CHECKING:
+    from nixl_cu12._api import nixl_agent, nixl_xfer_handle
 
 log = logging.getLogger("pdwatch.testbed.prefill")
 
@@ -51,7 +58,7 @@ class PrefillReq:
     prompt_tokens: int
     traceparent: str | None
     arrived: float = field(default_factory=time.monotonic)
-    reg: dict | None = None
+    reg: Message | None = None  # the decode's registration, once it came
     slot: int | None = None
     nbytes: int = 0
     aborted: bool = False
@@ -65,31 +72,35 @@ class BootstrapPeers:
     the old one. Used only on the KV sender thread, which owns the agent.
     """
 
-    def __init__(self, agent):
+    def __init__(self, agent: nixl_agent):
         self.agent = agent
         self.by_endpoint: dict[str, str] = {}
 
-    def resolve(self, reg: dict) -> str:
+    def resolve(self, reg: Message) -> str:
         endpoint = reg["endpoint"]
         known = self.by_endpoint.get(endpoint)
         if known is not None:
             return known
         try:
-            name = self.agent.add_remote_agent(kv.metadata_bytes(reg["agent_metadata"]))
-            name = name.decode() if isinstance(name, bytes) else str(name)
+            added: str | bytes = self.agent.add_remote_agent(kv.metadata_bytes(reg["agent_metadata"]))
+            name = added.decode() if isinstance(added, bytes) else str(added)
         except Exception as e:
             # NIXL refuses an agent name it already holds (NOT_ALLOWED); then it is usable as is.
             if "NOT_ALLOWED" not in str(e) and "NotAllowed" not in type(e).__name__:
                 raise
-            name = reg["agent_name"]
+            name = str(reg["agent_name"])
         self.by_endpoint[endpoint] = name
         return name
+
+
+# Which KV writes a faulty transport never posts (the scenario's fault).
+HangRule = Callable[[PrefillReq], bool]
 
 
 class KVSender:
     """One thread that owns the NIXL agent's transfers, polling all in flight at once."""
 
-    def __init__(self, agent, pool: kv.SlotPool, rec, hangs=None):
+    def __init__(self, agent: nixl_agent, pool: kv.SlotPool, rec: pdrec.Recorder, hangs: HangRule | None = None):
         self.agent = agent
         # Fault: which writes are never posted (a transport that swallows them); None: none.
         self.hangs = hangs
@@ -97,9 +108,9 @@ class KVSender:
         self.pool = pool
         self.rec = rec
         self.peers = BootstrapPeers(agent)
-        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.jobs: queue.SimpleQueue[PrefillReq] = queue.SimpleQueue()
         self.status: dict[int, str] = {}  # room -> TRANSFERRING / SUCCESS / FAILED; read by the scheduler
-        self.live: dict[int, object] = {}  # room -> xfer handle still held
+        self.live: dict[int, tuple[PrefillReq, nixl_xfer_handle]] = {}  # room -> the xfer handle still held
         self.errors = 0
         self.bytes_sent = 0
         self._stop = threading.Event()
@@ -124,7 +135,7 @@ class KVSender:
                 pass
             self._poll()
 
-    def _fail(self, req: PrefillReq, what: str, err) -> None:
+    def _fail(self, req: PrefillReq, what: str, err: object) -> None:
         # The KV sender of the incident: log, count, and move on. The room's
         # status stays TRANSFERRING, so the scheduler keeps the leg in transfer.
         self.errors += 1
@@ -144,6 +155,7 @@ class KVSender:
         try:
             peer = self.peers.resolve(reg)
             self.rec.transfer_info(req.rid, peer=peer)  # the agent it really writes to, stale or not
+            assert req.slot is not None, "a request reaches the sender with its KV slot"
             local = self.agent.get_xfer_descs([(self.pool.addr(req.slot), req.nbytes, 0)], "DRAM")
             remote = self.agent.get_xfer_descs([(int(reg["addr"]), req.nbytes, 0)], "DRAM")
             handle = self.agent.initialize_xfer("WRITE", local, remote, peer, f"kv:{req.room}".encode())
@@ -164,6 +176,7 @@ class KVSender:
 
     def _poll(self) -> None:
         for room, (req, handle) in list(self.live.items()):
+            err: object
             try:
                 state = self.agent.check_xfer_state(handle)
             except Exception as e:
@@ -181,7 +194,7 @@ class KVSender:
             else:
                 self._fail(req, "check_xfer_state", err)
 
-    def _release(self, handle) -> None:
+    def _release(self, handle: nixl_xfer_handle) -> None:
         try:
             self.agent.release_xfer_handle(handle)
         except Exception:
@@ -192,9 +205,10 @@ class KVSender:
         self._thread.join(2.0)
 
 
-def _hang_rule(args):
+def _hang_rule(args: argparse.Namespace) -> HangRule | None:
     """The scenario's transport fault, if any: long prompts, or a random share of every write."""
-    over, share = getattr(args, "hang_prompts_over", 0), getattr(args, "hang_fraction", 0.0)
+    over: int = getattr(args, "hang_prompts_over", 0)
+    share: float = getattr(args, "hang_fraction", 0.0)
     if over > 0:
         return lambda req: req.prompt_tokens > over
     if share > 0:
@@ -204,7 +218,7 @@ def _hang_rule(args):
 
 
 class PrefillEngine:
-    def __init__(self, args):
+    def __init__(self, args: argparse.Namespace):
         self.args = args
         self.agent_name = f"{args.instance}-{uuid.uuid4().hex[:8]}"
         self.api = LineServer(args.api_port, self._on_api)
@@ -219,8 +233,8 @@ class PrefillEngine:
         self.pool = kv.SlotPool(self.agent, args.slots, args.slot_bytes)
         self.sender = KVSender(self.agent, self.pool, self.rec, hangs=_hang_rule(args))
         # Filled by server threads, drained by the scheduler thread, in arrival order.
-        self.inbox: deque = deque()
-        self.registrations: OrderedDict[int, dict] = OrderedDict()
+        self.inbox: deque[Message] = deque()
+        self.registrations: OrderedDict[int, Message] = OrderedDict()
         self._reg_lock = threading.Lock()
         self.bootstrap: dict[int, PrefillReq] = {}
         self.waiting: deque[PrefillReq] = deque()
@@ -233,7 +247,7 @@ class PrefillEngine:
 
     # ---- server threads --------------------------------------------------
 
-    def _on_api(self, msg: dict, conn):
+    def _on_api(self, msg: Message, conn: Conn) -> Message:
         op = msg.get("op")
         if op in ("generate", "abort"):
             try:
@@ -247,7 +261,7 @@ class PrefillEngine:
                     "open": len(self.by_room), "free_slots": self.pool.free_count}
         return {"ok": False, "error": f"unknown op {op!r}"}
 
-    def _on_bootstrap(self, msg: dict, conn):
+    def _on_bootstrap(self, msg: Message, conn: Conn) -> Message:
         if msg.get("op") != "register":
             return {"ok": False, "error": f"unknown op {msg.get('op')!r}"}
         missing = [k for k in ("room", "endpoint", "agent_name", "agent_metadata", "addr", "nbytes") if k not in msg]
@@ -341,12 +355,14 @@ class PrefillEngine:
         time.sleep(forward_s)
         self.status.work(forward_s)
         for req in batch:
-            if req.nbytes > int(req.reg.get("nbytes", 0)):
-                self._finish(req, "failed", f"decode slot of {req.reg.get('nbytes')} bytes < KV {req.nbytes}")
+            reg, slot = req.reg, req.slot
+            assert reg is not None and slot is not None, "registered in bootstrap, given a slot for this batch"
+            if req.nbytes > int(reg.get("nbytes", 0)):
+                self._finish(req, "failed", f"decode slot of {reg.get('nbytes')} bytes < KV {req.nbytes}")
                 continue
-            self.pool.view(req.slot, req.nbytes)[:] = kv.kv_pattern(req.room, req.nbytes)
+            self.pool.view(slot, req.nbytes)[:] = kv.kv_pattern(req.room, req.nbytes)
             self.rec.enter(req.rid, TRANSFER)
-            self.rec.transfer_info(req.rid, nbytes=req.nbytes, backend="nixl", peer=req.reg.get("agent_name"))
+            self.rec.transfer_info(req.rid, nbytes=req.nbytes, backend="nixl", peer=reg.get("agent_name"))
             self.inflight[req.room] = req
             self.sender.submit(req)
         return True
@@ -392,14 +408,14 @@ class PrefillEngine:
 
     def _reclaim(self) -> None:
         for req in list(self._deferred):
-            if req.room not in self.sender.live:
+            if req.room not in self.sender.live and req.slot is not None:  # deferred legs hold a slot
                 self._deferred.remove(req)
                 self.pool.free(req.slot)
                 req.slot = None
 
     # ---- life cycle ------------------------------------------------------
 
-    def start(self) -> dict:
+    def start(self) -> Ready:
         self.status.start()
         self.sender.start()
         self.api.serve_in_thread("api-server")

@@ -19,6 +19,9 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
+from typing import IO, cast
+
+from .engine import Ready
 
 # The checkout this testbed runs from, or None when it runs from an installed wheel (then the
 # engines import pdwatch from site-packages like everything else).
@@ -77,7 +80,7 @@ def free_port() -> int:
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # a crowded range: let the kernel pick
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
 class EngineProcess:
@@ -86,8 +89,8 @@ class EngineProcess:
         self.role = role
         self.args = list(args)
         self.env = env
-        self.proc: subprocess.Popen | None = None
-        self.info: dict = {}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.info: Ready = {}
         self.log: deque[str] = deque(maxlen=LOG_LINES)
         self._ready = threading.Event()
         self._port_taken = threading.Event()
@@ -98,7 +101,7 @@ class EngineProcess:
     def python_path(self) -> list[str]:
         return [str(CHECKOUT)] if CHECKOUT is not None else []
 
-    def ready_info(self, line: str) -> dict | None:
+    def ready_info(self, line: str) -> Ready | None:
         """The process's ready message, if this output line is one (a JSON line with "ready")."""
         if not line.startswith("{"):
             return None
@@ -106,7 +109,7 @@ class EngineProcess:
             msg = json.loads(line)
         except ValueError:
             return None
-        return msg if isinstance(msg, dict) and msg.get("ready") else None
+        return cast(Ready, msg) if isinstance(msg, dict) and msg.get("ready") else None
 
     def spawn(self) -> None:
         env = dict(os.environ)
@@ -125,14 +128,14 @@ class EngineProcess:
         threading.Thread(target=self._read_stderr, args=(self.proc,), name=f"{self.instance}-stderr",
                          daemon=True).start()
 
-    def _read_stdout(self, proc: subprocess.Popen) -> None:
+    def _read_stdout(self, proc: subprocess.Popen[bytes]) -> None:
         self._read(proc, proc.stdout)
 
-    def _read_stderr(self, proc: subprocess.Popen) -> None:
+    def _read_stderr(self, proc: subprocess.Popen[bytes]) -> None:
         self._read(proc, proc.stderr)
 
-    def _read(self, proc: subprocess.Popen, stream) -> None:
-        for raw in stream:
+    def _read(self, proc: subprocess.Popen[bytes], stream: IO[bytes] | None) -> None:
+        for raw in stream or ():
             line = raw.decode(errors="replace").rstrip()
             info = self.ready_info(line)
             if info is not None and proc is self.proc:
@@ -151,7 +154,11 @@ class EngineProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def wait_ready(self, timeout_s: float, cancel: threading.Event | None = None) -> dict:
+    def live_pid(self) -> int | None:
+        """The PID while the process runs, else None."""
+        return self.pid if self.alive() else None
+
+    def wait_ready(self, timeout_s: float, cancel: threading.Event | None = None) -> Ready:
         deadline = time.monotonic() + timeout_s
         while not self._ready.wait(0.05):
             if cancel is not None and cancel.is_set():

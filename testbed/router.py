@@ -12,13 +12,20 @@ import logging
 import random
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import TypedDict
 
 from pdwatch import contract as c
 
-from .wire import Conn
+from .wire import Conn, Message
 
 log = logging.getLogger("pdwatch.testbed.router")
+
+
+class Restart(TypedDict):
+    instance: str
+    t: float  # wall clock of the kill
 
 
 @dataclass
@@ -43,7 +50,7 @@ class Truth:
     """The router's view: every request sent, and the restarts the stack performed."""
 
     requests: list[RequestRecord]
-    restarts: list[dict] = field(default_factory=list)
+    restarts: list[Restart] = field(default_factory=list)
 
     @property
     def open(self) -> list[RequestRecord]:
@@ -64,34 +71,90 @@ class Truth:
         return out
 
 
-class Router:
-    def __init__(self, prefill_port: int, decodes: dict[str, int], *, seed: int = 1, traceparent: bool = False,
-                 max_open: int = 1024, connect_timeout_s: float = 2.0):
-        if not decodes:
-            raise ValueError("the router needs at least one decode")
-        self.prefill_port = prefill_port
-        self.decodes = dict(decodes)  # instance -> api port
-        self._order = sorted(self.decodes)
-        self._rr = 0
-        self.rng = random.Random(seed)
+class StackClient:
+    """What sends a stack's requests and keeps what it saw of each (the ground truth).
+
+    `Router` (the emulated stack's own) and `sglang_pd.client.RouterClient` (a client of
+    SGLang's router) send differently and record alike, here.
+    """
+
+    # Whether truth() hands out copies, frozen as they are now, or the live records.
+    truth_copies = False
+
+    def __init__(self, *, traceparent: bool, max_open: int):
         # Ids differ on every run, as real clients' do: two runs of one seed into one sidecar (each
         # scenario its own cluster) must not share trace ids, or the second's legs read as the first's.
         self.ids = random.Random()
         self.traceparent = traceparent
         self.max_open = max_open
-        self.connect_timeout_s = connect_timeout_s
         self.records: list[RequestRecord] = []
-        self.restarts: list[dict] = []
-        self.rejected = 0  # requests not sent because max_open legs were in flight
+        self.restarts: list[Restart] = []
+        self.rejected = 0  # requests not sent because max_open were in flight
         self._lock = threading.Lock()
+        self._closed = False
+
+    def _admit(self, open_now: int) -> bool:
+        """Under the lock: whether one more request may go out now (a refusal while open is counted)."""
+        if self._closed:
+            return False
+        if open_now >= self.max_open:
+            self.rejected += 1
+            return False
+        return True
+
+    def _new_traceparent(self) -> str | None:
+        """A fresh W3C traceparent when the client sends them, else None."""
+        if not self.traceparent:
+            return None
+        return c.format_traceparent(self.ids.getrandbits(128) or 1, self.ids.getrandbits(64) or 1)
+
+    @staticmethod
+    def _done(rec: RequestRecord, outcome: str, reason: str | None) -> None:
+        if rec.done_at is None:
+            rec.outcome, rec.reason, rec.done_at = outcome, reason, time.time()
+
+    def note_restart(self, instance: str, t: float) -> None:
+        with self._lock:
+            self.restarts.append({"instance": instance, "t": t})
+
+    def truth(self) -> Truth:
+        with self._lock:
+            records = [replace(r) for r in self.records] if self.truth_copies else list(self.records)
+            return Truth(requests=records, restarts=list(self.restarts))
+
+    def send(self, prompt_tokens: int, max_tokens: int) -> RequestRecord | None:
+        """Start one request (None: not sent, the client is closed or full)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Stop sending; requests still open stay open in the truth."""
+        raise NotImplementedError
+
+
+class Router(StackClient):
+    """Sends each request to the prefill and a decode (round robin) and reads the decode's tokens back.
+
+    `seed` is taken as the live client takes it; nothing here draws from it (rooms and trace ids
+    differ on every run, see StackClient).
+    """
+
+    def __init__(self, prefill_port: int, decodes: dict[str, int], *, seed: int = 1, traceparent: bool = False,
+                 max_open: int = 1024, connect_timeout_s: float = 2.0):
+        if not decodes:
+            raise ValueError("the router needs at least one decode")
+        super().__init__(traceparent=traceparent, max_open=max_open)
+        self.prefill_port = prefill_port
+        self.decodes = dict(decodes)  # instance -> api port
+        self._order = sorted(self.decodes)
+        self._rr = 0
+        self.connect_timeout_s = connect_timeout_s
         self._prefill: Conn | None = None
         self._prefill_lock = threading.Lock()
         self._streams: set[Conn] = set()
-        self._closed = False
 
     # ---- sending ---------------------------------------------------------
 
-    def _prefill_call(self, msg: dict) -> None:
+    def _prefill_call(self, msg: Message) -> None:
         with self._prefill_lock:
             for attempt in (1, 2):
                 try:
@@ -111,18 +174,14 @@ class Router:
     def send(self, prompt_tokens: int, max_tokens: int) -> RequestRecord | None:
         """Start one request; its stream is read on a thread of its own."""
         with self._lock:
-            if self._closed:
-                return None
-            if sum(1 for r in self.records if r.done_at is None) >= self.max_open:
-                self.rejected += 1
+            if not self._admit(sum(1 for r in self.records if r.done_at is None)):
                 return None
             room = self.ids.getrandbits(63)
             decode = self._order[self._rr % len(self._order)]
             self._rr += 1
-            tp = None
-            if self.traceparent:
-                tp = c.format_traceparent(self.ids.getrandbits(128) or 1, self.ids.getrandbits(64) or 1)
-            trace_id = c.parse_traceparent(tp)[0] if tp else c.room_trace_id(room)
+            tp = self._new_traceparent()
+            parsed = c.parse_traceparent(tp)
+            trace_id = parsed[0] if parsed else c.room_trace_id(room)
             rec = RequestRecord(index=len(self.records), room=room, trace_id=f"{trace_id:032x}", decode=decode,
                                 prompt_tokens=prompt_tokens, max_tokens=max_tokens, sent_at=time.time(),
                                 traceparent=tp)
@@ -181,18 +240,6 @@ class Router:
         except Exception:
             log.debug("abort of room %d not delivered", room, exc_info=True)
 
-    def _done(self, rec: RequestRecord, outcome: str, reason: str | None) -> None:
-        if rec.done_at is None:
-            rec.outcome, rec.reason, rec.done_at = outcome, reason, time.time()
-
-    def note_restart(self, instance: str, t: float) -> None:
-        with self._lock:
-            self.restarts.append({"instance": instance, "t": t})
-
-    def truth(self) -> Truth:
-        with self._lock:
-            return Truth(requests=list(self.records), restarts=list(self.restarts))
-
     def close(self) -> None:
         with self._lock:
             self._closed = True
@@ -208,8 +255,8 @@ class Router:
 class LoadGenerator:
     """Sends requests at `rate` per second (Poisson arrivals), bounded in count and time."""
 
-    def __init__(self, router: Router, shape, *, rate: float, seed: int, duration_s: float | None,
-                 max_requests: int):
+    def __init__(self, router: StackClient, shape: Callable[[random.Random, int], tuple[int, int]], *, rate: float,
+                 seed: int, duration_s: float | None, max_requests: int):
         if not rate > 0:
             raise ValueError(f"rate must be positive, got {rate}")
         self.router = router

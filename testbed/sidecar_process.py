@@ -12,6 +12,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
+from typing import Any
 
 import httpx
 
@@ -19,12 +21,12 @@ from .processes import free_port
 
 
 class SidecarProcess:
-    def __init__(self, *, port: int | None = None, env: dict[str, str] | None = None, args: list[str] = ()):
+    def __init__(self, *, port: int | None = None, env: dict[str, str] | None = None, args: Sequence[str] = ()):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._env = {**os.environ, **(env or {})}
         self._args = list(args)
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.client = httpx.Client(base_url=self.url, timeout=5.0)
 
     def start(self, timeout_s: float = 30.0) -> SidecarProcess:
@@ -44,7 +46,8 @@ class SidecarProcess:
         self.stop()
         raise RuntimeError(f"sidecar not ready on {self.url} after {timeout_s:.0f} s")
 
-    def get(self, path: str, **kw):
+    def get(self, path: str, **kw: Any) -> Any:
+        """GET path's JSON; an error status raises."""
         r = self.client.get(path, **kw)
         r.raise_for_status()
         return r.json()
@@ -62,5 +65,5 @@ class SidecarProcess:
     def __enter__(self) -> SidecarProcess:
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()

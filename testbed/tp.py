@@ -16,6 +16,7 @@ the wait is counted as spin time, which the GPU emulation shows as a GPU at
 
 from __future__ import annotations
 
+import argparse
 import logging
 import select
 import socket
@@ -24,6 +25,7 @@ import time
 
 from pdwatch.engine_patches import recorder as pdrec
 
+from .engine import Ready
 from .engine_status import StatusWriter
 
 log = logging.getLogger("pdwatch.testbed.tp")
@@ -46,28 +48,30 @@ class TpLeader:
         self.peer: socket.socket | None = None
         self.steps = 0
 
-    def _accept(self) -> bool:
+    def _accept(self) -> socket.socket | None:
+        """Rank 1's connection, waited for at the first step; None if the engine stops first."""
         while self.peer is None:
             if self.stop.is_set():
-                return False
+                return None
             ready, _, _ = select.select([self.listener], [], [], POLL_S)
             if ready:
                 conn, _ = self.listener.accept()
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 self.peer = conn
-        return True
+        return self.peer
 
     def sync(self, batch_running: bool) -> bool:
         """One collective step with rank 1. Blocks until rank 1 joins or the engine stops (then False)."""
         t0 = time.monotonic()
         try:
-            if not self._accept():
+            peer = self._accept()
+            if peer is None:
                 return False
-            self.peer.sendall(STEP_BUSY if batch_running else STEP_IDLE)
+            peer.sendall(STEP_BUSY if batch_running else STEP_IDLE)
             while True:
-                ready, _, _ = select.select([self.peer], [], [], POLL_S)
+                ready, _, _ = select.select([peer], [], [], POLL_S)
                 if ready:
-                    got = self.peer.recv(1)
+                    got = peer.recv(1)
                     if got == ACK:
                         self.steps += 1
                         return True
@@ -100,7 +104,7 @@ class TpLeader:
 class TpFollower:
     """Rank 1 of a TP-2 decode group: joins rank 0's steps, heartbeats, owns no requests."""
 
-    def __init__(self, args):
+    def __init__(self, args: argparse.Namespace):
         self.args = args
         self.rec = pdrec.from_env("decode", service_name=args.service_name, engine_version="testbed",
                                   loop_idle_turn_s=IDLE_TURN_S,
@@ -112,7 +116,7 @@ class TpFollower:
         self.sock: socket.socket | None = None
         self._thread = threading.Thread(target=self._loop, name="tp-rank", daemon=True)
 
-    def start(self) -> dict:
+    def start(self) -> Ready:
         deadline = time.monotonic() + 20.0
         while True:
             try:
@@ -133,6 +137,9 @@ class TpFollower:
         self._desync.set()
 
     def _loop(self) -> None:
+        sock = self.sock  # connected before this thread starts
+        if sock is None:
+            return
         last, busy = time.monotonic(), False
         while not self._stop.is_set():
             if self._desync.is_set():
@@ -140,10 +147,10 @@ class TpFollower:
                 self._stop.wait()  # heartbeats go on from the recorder's thread
                 return
             try:
-                ready, _, _ = select.select([self.sock], [], [], POLL_S)
+                ready, _, _ = select.select([sock], [], [], POLL_S)
                 if not ready:
                     continue
-                got = self.sock.recv(1)
+                got = sock.recv(1)
                 if not got:
                     return  # rank 0 went away
                 now = time.monotonic()
@@ -153,7 +160,7 @@ class TpFollower:
                 self.rec.loop_tick()
                 if self._desync.is_set():
                     continue  # the fault came while this step was in hand: it is never acknowledged
-                self.sock.sendall(ACK)
+                sock.sendall(ACK)
             except OSError:
                 if not self._stop.is_set():
                     log.exception("TP rank %d lost rank 0", self.args.tp_rank)

@@ -11,6 +11,11 @@ import json
 import socket
 import socketserver
 import threading
+from collections.abc import Callable
+from typing import Any, cast
+
+# One message: a JSON object (values by message kind).
+Message = dict[str, Any]
 
 MAX_LINE = 1 << 20  # agent metadata (base64) is the largest message, a few KiB
 HOST = "127.0.0.1"
@@ -20,11 +25,11 @@ class WireError(Exception):
     pass
 
 
-def encode(msg: dict) -> bytes:
+def encode(msg: Message) -> bytes:
     return (json.dumps(msg, separators=(",", ":")) + "\n").encode()
 
 
-def decode(line: bytes) -> dict:
+def decode(line: bytes) -> Message:
     if len(line) > MAX_LINE:
         raise WireError(f"line of {len(line)} bytes exceeds {MAX_LINE}")
     try:
@@ -36,7 +41,7 @@ def decode(line: bytes) -> dict:
     return msg
 
 
-def room_of(msg: dict) -> int:
+def room_of(msg: Message) -> int:
     """The message's bootstrap room, checked: a 63-bit non-negative int."""
     room = msg.get("room")
     if not isinstance(room, int) or isinstance(room, bool) or not 0 <= room < 1 << 63:
@@ -59,18 +64,18 @@ class Conn:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return cls(sock)
 
-    def send(self, msg: dict) -> None:
+    def send(self, msg: Message) -> None:
         data = encode(msg)
         with self._send_lock:
             self.sock.sendall(data)
 
-    def recv(self) -> dict | None:
+    def recv(self) -> Message | None:
         line = self.rfile.readline(MAX_LINE + 1)
         if not line:
             return None
         return decode(line)
 
-    def request(self, msg: dict) -> dict:
+    def request(self, msg: Message) -> Message:
         self.send(msg)
         reply = self.recv()
         if reply is None:
@@ -103,11 +108,15 @@ class _Handler(socketserver.StreamRequestHandler):
                     return
                 if msg is None:
                     return
-                reply = self.server.on_message(msg, conn)  # type: ignore[attr-defined]
+                reply = cast(LineServer, self.server).on_message(msg, conn)
                 if reply is not None:
                     conn.send(reply)
         except OSError:
             return
+
+
+# (message, the connection it came on) -> the reply, or None for none (a stream answers later).
+OnMessage = Callable[[Message, Conn], "Message | None"]
 
 
 class LineServer(socketserver.ThreadingTCPServer):
@@ -116,7 +125,7 @@ class LineServer(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True  # a restarted decode binds its old port again
 
-    def __init__(self, port: int, on_message):
+    def __init__(self, port: int, on_message: OnMessage):
         self.on_message = on_message
         super().__init__((HOST, port), _Handler)
 

@@ -16,47 +16,36 @@ import logging
 import random
 import threading
 import time
-from dataclasses import replace
 
 from pdwatch import contract as c
 
-from ..router import RequestRecord, Truth
+from ..router import RequestRecord, StackClient
 from .model import VOCAB
 
 log = logging.getLogger("pdwatch.testbed.sglang_pd.client")
 
 
-class RouterClient:
+class RouterClient(StackClient):
+    # Copies: a request still open in a truth stays open in it, whatever comes later.
+    truth_copies = True
+
     def __init__(self, port: int, *, seed: int = 1, traceparent: bool = True, max_open: int = 256,
                  timeout_s: float = 900.0):
+        super().__init__(traceparent=traceparent, max_open=max_open)
         self.port = port
-        self.rng = random.Random(seed)
-        # Ids differ on every run, as real clients' do: two runs of one seed into one sidecar (each
-        # scenario its own cluster) must not share trace ids, or the second's legs read as the first's.
-        self.ids = random.Random()
-        self.traceparent = traceparent
-        self.max_open = max_open
+        self.rng = random.Random(seed)  # the prompts' token ids
         self.timeout_s = timeout_s
-        self.records: list[RequestRecord] = []
-        self.restarts: list[dict] = []
-        self.rejected = 0
         self._open = 0
-        self._lock = threading.Lock()
         self._conns: set[http.client.HTTPConnection] = set()
-        self._closed = False
 
     def send(self, prompt_tokens: int, max_tokens: int) -> RequestRecord | None:
         """Start one request through the router; its answer is awaited on a thread of its own."""
         with self._lock:
-            if self._closed:
+            if not self._admit(self._open):
                 return None
-            if self._open >= self.max_open:
-                self.rejected += 1
-                return None
-            tp = None
-            if self.traceparent:
-                tp = c.format_traceparent(self.ids.getrandbits(128) or 1, self.ids.getrandbits(64) or 1)
-            trace_id = f"{c.parse_traceparent(tp)[0]:032x}" if tp else ""
+            tp = self._new_traceparent()
+            parsed = c.parse_traceparent(tp)
+            trace_id = f"{parsed[0]:032x}" if parsed else ""
             ids = [self.rng.randrange(3, VOCAB) for _ in range(prompt_tokens)]
             rec = RequestRecord(index=len(self.records), room=-1, trace_id=trace_id, decode="",
                                 prompt_tokens=prompt_tokens, max_tokens=max_tokens, sent_at=time.time(),
@@ -110,20 +99,6 @@ class RouterClient:
         else:
             message = finish.get("message") if isinstance(finish, dict) else None
             self._done(rec, "aborted" if kind == "abort" else "failed", message or str(finish))
-
-    @staticmethod
-    def _done(rec: RequestRecord, outcome: str, reason: str | None) -> None:
-        if rec.done_at is None:
-            rec.outcome, rec.reason, rec.done_at = outcome, reason, time.time()
-
-    def note_restart(self, instance: str, t: float) -> None:
-        with self._lock:
-            self.restarts.append({"instance": instance, "t": t})
-
-    def truth(self) -> Truth:
-        with self._lock:
-            # Copies: a request still open now stays open in this truth, whatever comes later.
-            return Truth(requests=[replace(r) for r in self.records], restarts=list(self.restarts))
 
     def close(self) -> None:
         """Stop sending; requests still waiting keep their open place in the truth."""

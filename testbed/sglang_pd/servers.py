@@ -15,6 +15,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..engine import Ready
 from ..processes import EngineProcess
 
 CPU_SITE = Path(__file__).resolve().parent / "cpu_site"
@@ -86,7 +87,7 @@ class SglangServer(EngineProcess):
         # cpu_site first: its sitecustomize, sgl_kernel and CPU plugin are for these servers only.
         return [str(CPU_SITE), *super().python_path()]
 
-    def ready_info(self, line: str) -> dict | None:
+    def ready_info(self, line: str) -> Ready | None:
         if READY_LINE in line:
             return {"ready": True, "api_port": self.ports.http}
         return None
@@ -128,7 +129,7 @@ class SglangRouter(EngineProcess):
     def python_path(self) -> list[str]:
         return [str(CPU_SITE), *super().python_path()]  # the launcher imports torchvision too
 
-    def ready_info(self, line: str) -> dict | None:
+    def ready_info(self, line: str) -> Ready | None:
         return None  # readiness is asked over HTTP (SglangStack._wait_router)
 
     def mark_ready(self) -> None:

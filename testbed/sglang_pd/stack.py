@@ -13,30 +13,29 @@ every request hangs in bootstrap (seen here). The decodes follow together.
 
 from __future__ import annotations
 
-import atexit
 import http.client
 import json
-import math
 import os
 import shutil
 import tempfile
 import time
-import weakref
 from dataclasses import astuple
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pdwatch import contract as c
 
 from ..processes import EngineStartError, PortInUse, free_port
-from ..router import LoadGenerator
 from ..scenarios import Params
-from ..stack import StackBase
+from ..stack_base import StackArgs, StackBase
 from . import scenarios
 from .client import RouterClient
 from .model import write_model
 from .servers import BASE_ENV, ServerPorts, SglangRouter, SglangServer
 
-_live: weakref.WeakSet[SglangStack] = weakref.WeakSet()
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
 PORT_RETRIES = 2  # a server that finds a port taken is started this many more times
 # Request slots. A prefill leg whose KV write hangs keeps its slot in SGLang's inflight queue, and a
 # decode takes in transfer as many requests as its slots (3 x max_running with SGLang's default extra
@@ -47,79 +46,37 @@ DECODE_MAX_RUNNING = 16
 PREFILL_MAX_RUNNING = 64
 
 
-@atexit.register
-def _stop_all() -> None:
-    for stack in list(_live):
-        stack.stop()
-
-
 class SglangStack(StackBase):
-    def __init__(
-        self,
-        scenario: str,
-        otlp_endpoint: str = c.DEFAULT_SIDECAR_URL,
-        heartbeat_s: float = 1.0,
-        rate: float = 2.0,
-        restart_at: float = 10.0,
-        seed: int = 1,
-        decode_floor_s: float = 30.0,
-        cluster: str = "default",
-        duration_s: float | None = None,
-        traceparent: bool = True,
-        *,
-        decodes: int = 2,
-        token_interval_s: float = 0.02,
-        max_requests: int | None = None,
-        ready_timeout_s: float = 240.0,
-        stop_timeout_s: float = 15.0,
-        context_length: int = 2048,
-        plugin: bool = True,
-        load: bool = True,
-    ):
-        self.scenario = scenarios.get(scenario)
-        for name, value in (("heartbeat_s", heartbeat_s), ("rate", rate), ("decode_floor_s", decode_floor_s),
-                            ("token_interval_s", token_interval_s), ("ready_timeout_s", ready_timeout_s)):
-            if not value > 0:
-                raise ValueError(f"{name} must be positive, got {value}")
-        if restart_at < 0:
-            raise ValueError(f"restart_at must not be negative, got {restart_at}")
-        if duration_s is not None and not duration_s > 0:
-            raise ValueError(f"duration_s must be positive or None, got {duration_s}")
-        if decodes not in (1, 2):
-            raise ValueError(f"decodes must be 1 or 2 on this machine, got {decodes}")
-        if any(a[2] == "decode-0" for a in self.scenario.actions(Params())) and decodes < 2:
-            raise ValueError(f"scenario {scenario!r} faults decode-0 while others flow: it needs 2 decodes")
-        if not otlp_endpoint.startswith(("http://127.0.0.1", "http://localhost", "http://[::1]")):
-            raise ValueError(f"otlp_endpoint must be a loopback http URL, got {otlp_endpoint!r}")
-        self.params = Params(rate=rate, restart_at=restart_at, decode_floor_s=decode_floor_s,
-                             token_interval_s=token_interval_s)
-        self.otlp_endpoint = otlp_endpoint
-        self.heartbeat_s = heartbeat_s
-        self.cluster = cluster
-        self.seed = seed
-        self.duration_s = duration_s
-        self.traceparent = traceparent
-        self.decode_names = [f"decode-{i}" for i in range(decodes)]
-        self.ready_timeout_s = ready_timeout_s
-        self.stop_timeout_s = stop_timeout_s
+    catalogue = scenarios.CATALOGUE
+    defaults = StackArgs(rate=2.0, restart_at=10.0, traceparent=True, token_interval_s=0.02, ready_timeout_s=240.0,
+                         stop_timeout_s=15.0)
+
+    def __init__(self, scenario: str, *, context_length: int = 2048, plugin: bool = True, load: bool = True,
+                 **args: Unpack[StackArgs]):
+        super().__init__(scenario, **args)
         self.context_length = context_length
         self.plugin = plugin
-        self.load = load  # False: no load generator; the caller sends requests (benchmarks)
-        if max_requests is None:
-            horizon = duration_s if duration_s is not None else 3600.0
-            max_requests = math.ceil(rate * horizon * 1.5) + 10
-        self.max_requests = max_requests
-        self._init_common()
+        self.load = load  # False: the caller sends the requests (benchmarks)
         self._dir: Path | None = None
         self.servers: dict[str, SglangServer] = {}
         self.sglang_router: SglangRouter | None = None
 
+    def _check_decodes(self, decodes: int) -> None:
+        if decodes not in (1, 2):
+            raise ValueError(f"decodes must be 1 or 2 on this machine, got {decodes}")
+        if any(a[2] == "decode-0" for a in self.scenario.actions(Params())) and decodes < 2:
+            raise ValueError(f"scenario {self.scenario.name!r} faults decode-0 while others flow: it needs 2 decodes")
+
     # ---- processes ---------------------------------------------------------
 
     @property
-    def state_dir(self) -> Path:
+    def _folder(self) -> Path:
         assert self._dir is not None, "the stack is not started"
-        return self._dir / "state"
+        return self._dir
+
+    @property
+    def state_dir(self) -> Path:
+        return self._folder / "state"
 
     def _env(self, instance: str) -> dict[str, str]:
         env = {
@@ -137,40 +94,23 @@ class SglangStack(StackBase):
         return env
 
     def _server(self, instance: str, role: str, ports: ServerPorts) -> SglangServer:
-        server = SglangServer(instance, role, self._dir / "model", ports, self._env(instance),
+        server = SglangServer(instance, role, self._folder / "model", ports, self._env(instance),
                               context_length=self.context_length, max_total_tokens=4 * self.context_length,
                               max_running=PREFILL_MAX_RUNNING if role == "prefill" else DECODE_MAX_RUNNING)
         self.servers[instance] = self.engines[instance] = server
         return server
 
-    def start(self) -> SglangStack:
-        if self.started_at is not None:
-            raise RuntimeError("SglangStack.start() was already called")
-        _live.add(self)
-        self.started_at = time.time()
-        try:
-            self._dir = Path(tempfile.mkdtemp(prefix="pdwatch-sglang-"))
-            self.state_dir.mkdir()
-            write_model(self._dir / "model")
-            [prefill] = self._start_servers("prefill", ["prefill-0"])
-            decodes = self._start_servers("decode", list(self.decode_names))
-            router = SglangRouter(free_port(), free_port(), prefill, decodes, {**BASE_ENV})
-            self.sglang_router = self.engines["router"] = router
-            router.spawn()
-            self._wait_router(router)
-        except BaseException:
-            self.stop()
-            raise
-        self.router = RouterClient(self.sglang_router.port, seed=self.seed, traceparent=self.traceparent)
-        self._event("ready", instances=self.agents(), startup_s=round(time.time() - self.started_at, 3))
-        if not self.load:
-            return self
-        self.loadgen = LoadGenerator(self.router, lambda rng, i: self.scenario.shape(self.params, rng, i),
-                                     rate=self.params.rate, seed=self.seed, duration_s=self.duration_s,
-                                     max_requests=self.max_requests)
-        self.loadgen.start()
-        self._start_actions()
-        return self
+    def _launch(self) -> RouterClient:
+        self._dir = Path(tempfile.mkdtemp(prefix="pdwatch-sglang-"))
+        self.state_dir.mkdir()
+        write_model(self._dir / "model")
+        [prefill] = self._start_servers("prefill", ["prefill-0"])
+        decodes = self._start_servers("decode", list(self.decode_names))
+        router = SglangRouter(free_port(), free_port(), prefill, decodes, {**BASE_ENV})
+        self.sglang_router = self.engines["router"] = router
+        router.spawn()
+        self._wait_router(router)
+        return RouterClient(router.port, seed=self.seed, traceparent=self.traceparent)
 
     def _start_servers(self, role: str, names: list[str]) -> list[SglangServer]:
         """Start servers together; one that finds a port taken starts again on fresh ports."""
@@ -235,27 +175,9 @@ class SglangStack(StackBase):
 
     # ---- scenario actions ----------------------------------------------------
 
-    def _action_restart(self, instance: str) -> None:
-        self.restart(instance)
-
-    def restart(self, instance: str) -> dict:
-        """Kill a decode (SIGKILL) and start it again alone, on the same ports, with a new NIXL agent."""
-        server = self.servers[instance]
-        if server.role != "decode":
+    def _check_restartable(self, instance: str) -> None:
+        if self.servers[instance].role != "decode":
             raise ValueError("only decode servers are restarted by the testbed")
-        with self._proc_lock:
-            if self._stopped:
-                raise RuntimeError("the stack is stopped")
-            old_agent = self.agents().get(instance)
-            t = time.time()
-            server.kill()
-            if self.router is not None:
-                self.router.note_restart(instance, t)
-            self._event("killed", instance=instance, t=t, agent=old_agent)
-            server.spawn()
-        server.wait_ready(self.ready_timeout_s, cancel=self._stop)
-        return self._event("restart", instance=instance, t=t, old_agent=old_agent,
-                           new_agent=self.agents().get(instance), ready_after_s=round(time.time() - t, 3))
 
     def _write_faults(self, key: str, value: list[str] | int) -> None:
         """Set one fault of the CPU support plugin's fault file, keeping the others."""
@@ -293,7 +215,6 @@ class SglangStack(StackBase):
     def _release(self) -> None:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
-        _live.discard(self)
 
 
 __all__ = ["SglangStack", "EngineStartError"]

@@ -30,11 +30,18 @@ testbed's state folder, so the testbed can name a decode's agent.
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
 import threading
 import time
+from collections.abc import Sized
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    # At run time nixl._api is the nixl-cu12 wheel's module (the meta package puts it there).
+    from nixl_cu12._api import nixl_agent, nixl_prepped_dlist_handle, nixl_xfer_handle
 
 from pdwatch import contract as c
 
@@ -59,7 +66,8 @@ def plugin() -> None:
     _install_wedge()
 
 
-def _kv_pool_in_dram(self, args, *rest, **kwargs):
+# The hooks' arguments are SGLang's own objects (untyped: Any).
+def _kv_pool_in_dram(self: Any, args: Any, *rest: Any, **kwargs: Any) -> None:
     ptrs = getattr(args, "kv_data_ptrs", None) or []
     args.kv_data_mem_kinds = ["DRAM"] * len(ptrs)
     # SGLang's prepped KV write lists each page once per KV buffer (repeat_indices_over_layers).
@@ -70,13 +78,14 @@ def _state_dir() -> str | None:
     return os.environ.get(STATE_DIR_ENV) or None
 
 
-def _faults() -> dict:
+def _faults() -> dict[str, Any]:
     folder = _state_dir()
     if folder is None:
         return {}
     try:
         with open(os.path.join(folder, FAULT_FILE)) as f:
-            return json.load(f)
+            faults: dict[str, Any] = json.load(f)  # the testbed's own file (SglangStack._write_faults)
+            return faults
     except (OSError, ValueError):
         return {}
 
@@ -100,7 +109,7 @@ class _Freeze:
 FREEZE = _Freeze()
 
 
-def _maybe_freeze(self, *args, **kwargs):
+def _maybe_freeze(self: Any, *args: Any, **kwargs: Any) -> None:
     """BEFORE Scheduler.run_batch: block the scheduler thread while the fault lasts (returns None)."""
     if not FREEZE.frozen():
         return None
@@ -111,7 +120,7 @@ def _maybe_freeze(self, *args, **kwargs):
     return None
 
 
-def _report_agent(result, self, *args, **kwargs):
+def _report_agent(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
     folder = _state_dir()
     if folder is None:
         return
@@ -125,10 +134,9 @@ def _report_agent(result, self, *args, **kwargs):
     os.replace(tmp, path)
 
 
-def _nixl_api():
-    import nixl._api as api
-
-    return api
+def _nixl_api() -> Any:
+    """NIXL's Python API module, as this plugin patches it in place (members replaced at run time)."""
+    return importlib.import_module("nixl._api")
 
 
 def _slow_progress_thread() -> None:
@@ -138,11 +146,11 @@ def _slow_progress_thread() -> None:
     class _Bind:
         """nixlBind with a progress-thread delay set on every agent config."""
 
-        def __getattr__(self, name):
+        def __getattr__(self, name: str) -> Any:
             return getattr(real, name)
 
         @staticmethod
-        def nixlAgent(name, config):
+        def nixlAgent(name: str, config: Any) -> Any:  # the C++ binding's config and agent
             config.pthrDelay = PROGRESS_DELAY_US
             return real.nixlAgent(name, config)
 
@@ -192,13 +200,13 @@ class _Wedge:
                 log.warning("pdwatch testbed: unreadable fault file %s", path, exc_info=True)
         return self.agents
 
-    def remember(self, handle, agent: str) -> None:
+    def remember(self, handle: object, agent: str) -> None:
         with self._lock:
             if len(self.handles) >= 65536:
                 self.handles.pop(next(iter(self.handles)))
             self.handles[_key(handle)] = agent
 
-    def note_size(self, handle, indices) -> None:
+    def note_size(self, handle: object, indices: Sized) -> None:
         """At the making of a prepped write: remember it if it is long enough to hang."""
         self.refresh()
         if not self.min_tokens:
@@ -215,7 +223,7 @@ class _Wedge:
                 log.warning("pdwatch testbed fault: NIXL writes of %d tokens and more hang from now on",
                             self.min_tokens)
 
-    def hangs(self, handle) -> bool:
+    def hangs(self, handle: object) -> bool:
         """At the post: a write to a wedged agent, or a long one, is never posted, and hangs from then on."""
         key = _key(handle)
         agent = self.handles.get(key)
@@ -227,13 +235,13 @@ class _Wedge:
             if len(self.hung) >= 65536:
                 self.hung.pop()
             self.hung.add(key)
-        if not long and agent not in self.logged:
+        if not long and agent is not None and agent not in self.logged:  # (not long: a wedged agent's)
             self.logged.add(agent)
             log.warning("pdwatch testbed fault: NIXL writes to agent %s hang from now on", agent)
         return True
 
 
-def _key(handle) -> int:
+def _key(handle: object) -> int:
     return int(getattr(handle, "value", id(handle)))
 
 
@@ -245,35 +253,39 @@ def _install_wedge() -> None:
     prep, make, init = agent_cls.prep_xfer_dlist, agent_cls.make_prepped_xfer, agent_cls.initialize_xfer
     transfer, state = agent_cls.transfer, agent_cls.check_xfer_state
 
-    def prep_xfer_dlist(self, agent_name, *args, **kwargs):
-        handle = prep(self, agent_name, *args, **kwargs)
+    def prep_xfer_dlist(self: nixl_agent, agent_name: str, *args: Any, **kwargs: Any) -> nixl_prepped_dlist_handle:
+        handle: nixl_prepped_dlist_handle = prep(self, agent_name, *args, **kwargs)
         if agent_name and agent_name != self.name:
             WEDGE.remember(handle, agent_name)
         return handle
 
-    def make_prepped_xfer(self, operation, local_side, local_indices, remote_side, *args, **kwargs):
-        handle = make(self, operation, local_side, local_indices, remote_side, *args, **kwargs)
+    def make_prepped_xfer(self: nixl_agent, operation: str, local_side: nixl_prepped_dlist_handle, local_indices: Sized,
+                          remote_side: nixl_prepped_dlist_handle, *args: Any, **kwargs: Any) -> nixl_xfer_handle:
+        handle: nixl_xfer_handle = make(self, operation, local_side, local_indices, remote_side, *args, **kwargs)
         agent = WEDGE.handles.get(_key(remote_side))
         if agent is not None:
             WEDGE.remember(handle, agent)
         WEDGE.note_size(handle, local_indices)
         return handle
 
-    def initialize_xfer(self, operation, local_descs, remote_descs, remote_agent, *args, **kwargs):
-        handle = init(self, operation, local_descs, remote_descs, remote_agent, *args, **kwargs)
+    def initialize_xfer(self: nixl_agent, operation: str, local_descs: Any, remote_descs: Any, remote_agent: str,
+                        *args: Any, **kwargs: Any) -> nixl_xfer_handle:
+        handle: nixl_xfer_handle = init(self, operation, local_descs, remote_descs, remote_agent, *args, **kwargs)
         WEDGE.remember(handle, remote_agent)
         return handle
 
-    def transfer_(self, handle, *args, **kwargs):
+    def transfer_(self: nixl_agent, handle: nixl_xfer_handle, *args: Any, **kwargs: Any) -> str:
         if WEDGE.hangs(handle):
             return "PROC"  # as a write to a peer that never answers
-        return transfer(self, handle, *args, **kwargs)
+        posted: str = transfer(self, handle, *args, **kwargs)
+        return posted
 
-    def check_xfer_state(self, handle):
+    def check_xfer_state(self: nixl_agent, handle: nixl_xfer_handle) -> str:
         if _key(handle) in WEDGE.hung:
             time.sleep(WEDGED_POLL_S)
             return "PROC"
-        return state(self, handle)
+        now: str = state(self, handle)
+        return now
 
     agent_cls.prep_xfer_dlist = prep_xfer_dlist
     agent_cls.make_prepped_xfer = make_prepped_xfer

@@ -12,10 +12,16 @@ torch path.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NoReturn
+
+if TYPE_CHECKING:
+    import torch
 
 
-def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, end_offset,
-                                 out_cache_loc, pool_len):
+def assign_req_to_token_pool_cpu(req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
+                                 start_offset: torch.Tensor, end_offset: torch.Tensor, out_cache_loc: torch.Tensor,
+                                 pool_len: int) -> None:
     """Row req_pool_indices[i] of req_to_token gets out_cache_loc's i-th run at [start, end)."""
     starts = start_offset.tolist()
     ends = end_offset.tolist()
@@ -28,7 +34,8 @@ def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, e
         pos += n
 
 
-def copy_all_layer_kv_cache_cpu(data_ptrs, strides, tgt_loc, src_loc):
+def copy_all_layer_kv_cache_cpu(data_ptrs: torch.Tensor, strides: torch.Tensor, tgt_loc: torch.Tensor,
+                                src_loc: torch.Tensor) -> None:
     """In every KV buffer (base address, row size in bytes) copy row src_loc[j] to tgt_loc[j]."""
     pairs = list(zip(tgt_loc.tolist(), src_loc.tolist()))
     for base, stride in zip(data_ptrs.tolist(), strides.tolist()):
@@ -37,12 +44,12 @@ def copy_all_layer_kv_cache_cpu(data_ptrs, strides, tgt_loc, src_loc):
                 ctypes.memmove(base + tgt * stride, base + src * stride, stride)
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Callable[..., NoReturn]:
     """Any other kernel imports (SGLang imports some it never calls on this path) but raises when called."""
     if name.startswith("__"):
         raise AttributeError(name)
 
-    def missing(*args, **kwargs):
+    def missing(*args: object, **kwargs: object) -> NoReturn:
         raise NotImplementedError(f"sgl_kernel.{name} has no CPU stand-in in pdwatch's testbed")
 
     missing.__name__ = name
