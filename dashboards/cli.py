@@ -70,6 +70,3 @@ def main(argv: list[str] | None = None) -> int:
     run: Callable[[argparse.Namespace], int] = args.run
     return run(args)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -142,6 +142,3 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  open: trace_id={r.trace_id} sent {time.time() - r.sent_at:.0f} s ago")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
