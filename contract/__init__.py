@@ -225,7 +225,8 @@ ENV_NVML_STUB_STATE = "PDWATCH_NVML_STUB_STATE"
 ENV_TESTBED_STATE_DIR, ENV_TESTBED_SEED = "PDWATCH_TESTBED_STATE_DIR", "PDWATCH_TESTBED_SEED"
 
 # ---- metric labels (section 6) ----------------------------------------------------------------
-L_CLUSTER, L_ROLE, L_STAGE, L_INSTANCE = "cluster", "role", "stage", "pd_instance"
+# v1.2: `pd_cluster`, not `cluster` (an external label of that name carries the Kubernetes cluster).
+L_CLUSTER, L_ROLE, L_STAGE, L_INSTANCE = "pd_cluster", "role", "stage", "pd_instance"
 L_OUTCOME, L_FAMILY, L_GPU, L_UUID, L_REASON = "outcome", "family", "gpu", "uuid", "reason"
 L_TRACE_ID, L_RID = "trace_id", "rid"
 # pdwatch's additions: the contrast's, the GPU detail's, the forwarder's and the stack capture's.

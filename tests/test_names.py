@@ -114,7 +114,7 @@ def test_every_metric_is_named_once_and_is_well_formed():
 
 
 def test_a_query_grouping_by_a_label_the_metric_lacks_fails_where_it_is_written():
-    assert c.STUCK.by(c.L_CLUSTER, c.L_INSTANCE) == "cluster, pd_instance"
+    assert c.STUCK.by(c.L_CLUSTER, c.L_INSTANCE) == "pd_cluster, pd_instance"
     assert c.STAGE_DURATION.by(c.L_LE, c.L_ROLE) == "le, role"
     assert c.SPANS_RECEIVED.by(c.L_JOB, c.L_TARGET) == "job, instance"
     with pytest.raises(ValueError, match="pd_instanse"):

@@ -58,8 +58,8 @@ def from_prometheus(settings: ClientSettings, start: float, end: float, *, clust
     # A rate needs two scrapes inside its window; 30 s covers a 15 s scrape interval.
     window = f"{int(max(4 * step, 30))}s"
     inc = Incident(f"Prometheus {url}", start, end)
-    sel = f'cluster="{cluster}"' if cluster else ""
-    by_inst = "cluster, role, pd_instance"
+    sel = f'{c.L_CLUSTER}="{cluster}"' if cluster else ""
+    by_inst = c.INSTANCE_UP.by(*c.INSTANCE_KEY)
     with httpx.Client(base_url=url, timeout=settings.timeout_s, headers=settings.prometheus_headers) as client:
         def q(expr: str) -> Rows:
             return _range_query(client, expr, start, end, step)
@@ -67,7 +67,7 @@ def from_prometheus(settings: ClientSettings, start: float, end: float, *, clust
         instances: dict[tuple[str, str], Instance] = {}
 
         def inst(m: dict[str, str]) -> Instance:
-            key = (m.get("cluster", ""), m.get("pd_instance", ""))
+            key = (m.get(c.L_CLUSTER, ""), m.get(c.L_INSTANCE, ""))
             if key not in instances:
                 instances[key] = Instance(key[0], key[1], m.get("role", ""))
             return instances[key]
@@ -92,7 +92,7 @@ def from_prometheus(settings: ClientSettings, start: float, end: float, *, clust
         for metric, field_name in ((c.GPU_UTILIZATION, "utilization"), (c.GPU_POWER, "power_w"),
                                    (c.GPU_POWER_LIMIT, "power_limit_w")):
             for m, s in q(f"max by ({by_inst}, gpu, uuid) ({metric.name}{{{gpu_sel}}})"):
-                key = (m.get("cluster", ""), m.get("pd_instance", ""), m.get("gpu", ""), m.get("uuid", ""))
+                key = (m.get(c.L_CLUSTER, ""), m.get(c.L_INSTANCE, ""), m.get(c.L_GPU, ""), m.get(c.L_UUID, ""))
                 g = gpus.setdefault(key, {"m": m})
                 g[field_name] = s
         for (_cl, _name, gpu, uuid), g in sorted(gpus.items()):
@@ -105,14 +105,14 @@ def from_prometheus(settings: ClientSettings, start: float, end: float, *, clust
         alerts = []
         for m, s in q('ALERTS{alertstate="firing"}'):
             labels = {k: v for k, v in m.items() if k not in ("__name__", "alertstate")}
-            if cluster and labels.get("cluster") not in (None, cluster):
+            if cluster and labels.get(c.L_CLUSTER) not in (None, cluster):
                 continue
             alerts.append(Alert(labels.pop("alertname", "?"), labels, _intervals(s, step)))
         inc.alerts = sorted(alerts, key=lambda a: (a.firing[0][0] if a.firing else 0, a.name))
 
         # The oldest stuck legs: the sidecars expose their 20 oldest; over the range, the oldest of all seen.
         oldest: dict[tuple[str, str], dict[str, Any]] = {}
-        for m, s in q(f"max by (cluster, role, stage, pd_instance, trace_id, rid, reason) ({c.STUCK_INFO.name}{{{sel}}})"):
+        for m, s in q(f"max by ({c.STUCK_INFO.by(*c.STUCK_INFO.labels)}) ({c.STUCK_INFO.name}{{{sel}}})"):
             vals = [(t, v) for t, v in zip(s.t, s.v) if v is not None]
             if not vals:
                 continue
@@ -121,7 +121,7 @@ def from_prometheus(settings: ClientSettings, start: float, end: float, *, clust
             if leg not in oldest or age > oldest[leg]["stage_age_s"]:
                 oldest[leg] = {"trace_id": leg[0], "role": leg[1], "rid": m.get("rid", ""),
                                "stage": m.get("stage", ""), "pd_instance": m.get("pd_instance", ""),
-                               "cluster": m.get("cluster", ""), "reason": m.get("reason", ""),
+                               "cluster": m.get(c.L_CLUSTER, ""), "reason": m.get(c.L_REASON, ""),
                                "stage_age_s": age, "last_seen_unix_s": vals[-1][0]}
         inc.oldest = sorted(oldest.values(), key=lambda x: -x["stage_age_s"])[:OLDEST_TOP]
 
@@ -129,10 +129,10 @@ def from_prometheus(settings: ClientSettings, start: float, end: float, *, clust
         at = inc.worst_at if inc.worst_at is not None else end
         # What the sidecars published then: a check on the classifier's verdict over Prometheus below.
         published: dict[str, list[tuple[str, float]]] = {}
-        for m, s in q(f"max by (cluster, family) ({c.DIAGNOSIS_CONFIDENCE.name}{{{sel}}})"):
+        for m, s in q(f"max by ({c.DIAGNOSIS_CONFIDENCE.by(c.L_CLUSTER, c.L_FAMILY)}) ({c.DIAGNOSIS_CONFIDENCE.name}{{{sel}}})"):
             value = s.at(at)
             if value is not None and value >= REPORT_AT:
-                published.setdefault(m.get("cluster", ""), []).append((m.get("family", ""), value))
+                published.setdefault(m.get(c.L_CLUSTER, ""), []).append((m.get(c.L_FAMILY, ""), value))
     inc.diagnosis = _diagnosis_at(settings, at, cluster, {k: sorted(v, key=lambda x: -x[1])
                                                           for k, v in published.items()}, inc.notes)
     if not inc.instances:

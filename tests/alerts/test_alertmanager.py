@@ -29,7 +29,7 @@ def test_amtool_accepts_the_config():
 
 
 @pytest.mark.parametrize("labels, receiver", [
-    (["alertname=PDRequestStuckWhileOthersFlow", "severity=critical", "cluster=c1"], "pdwatch-pager"),
+    (["alertname=PDRequestStuckWhileOthersFlow", "severity=critical", "pd_cluster=c1"], "pdwatch-pager"),
     (["alertname=PDEngineSilent", "severity=critical"], "pdwatch-pager"),
     (["alertname=PDRestartSkew", "severity=warning"], "pdwatch-tickets"),
     (["alertname=PDWatchTelemetryMissing", "severity=warning", "reason=no_spans"], "pdwatch-tickets"),
@@ -88,21 +88,21 @@ def test_total_wedge_and_silent_engine_inhibit_the_per_request_page(alertmanager
     stuck = dict(alertname="PDRequestStuckWhileOthersFlow", severity="critical", role="decode", stage="transfer")
     alerts = [
         # c1: total wedge silences every stuck page of the cluster.
-        _alert(alertname="PDTotalWedge", severity="critical", cluster="c1"),
-        _alert(**stuck, cluster="c1", pd_instance="decode-0"),
+        _alert(alertname="PDTotalWedge", severity="critical", pd_cluster="c1"),
+        _alert(**stuck, pd_cluster="c1", pd_instance="decode-0"),
         # c2: decode-1 is silent, which explains its stuck legs but not decode-2's.
-        _alert(alertname="PDEngineSilent", severity="critical", cluster="c2", role="decode", pd_instance="decode-1"),
-        _alert(**stuck, cluster="c2", pd_instance="decode-1"),
-        _alert(**stuck, cluster="c2", pd_instance="decode-2"),
+        _alert(alertname="PDEngineSilent", severity="critical", pd_cluster="c2", role="decode", pd_instance="decode-1"),
+        _alert(**stuck, pd_cluster="c2", pd_instance="decode-1"),
+        _alert(**stuck, pd_cluster="c2", pd_instance="decode-2"),
         # c3: a wedge elsewhere inhibits nothing here.
-        _alert(**stuck, cluster="c3", pd_instance="decode-0"),
+        _alert(**stuck, pd_cluster="c3", pd_instance="decode-0"),
     ]
     assert httpx.post(f"{alertmanager}/alerts", json=alerts, timeout=5).status_code == 200
     seen = {}
     deadline = time.monotonic() + 10
     while len(seen) < len(alerts) and time.monotonic() < deadline:
         for a in httpx.get(f"{alertmanager}/alerts", timeout=5).json():
-            key = (a["labels"]["alertname"], a["labels"]["cluster"], a["labels"].get("pd_instance"))
+            key = (a["labels"]["alertname"], a["labels"]["pd_cluster"], a["labels"].get("pd_instance"))
             seen[key] = a["status"]
         time.sleep(0.1)
     assert len(seen) == len(alerts), seen

@@ -178,7 +178,7 @@ def test_a_sidecar_restarted_mid_incident_finds_the_stuck_legs_again_with_their_
         assert s["stage_age_s"] == before[key]["stage_age_s"] + 2
     # Detected again (pd.stuck forwarding hangs on the same first detection), counted by the new process.
     for role in ("prefill", "decode"):
-        assert f'pdwatch_stuck_detected_total{{cluster="default",role="{role}",stage="transfer"}} 3.0' in metrics
+        assert f'pdwatch_stuck_detected_total{{pd_cluster="default",role="{role}",stage="transfer"}} 3.0' in metrics
     second.sidecar.worker.call(check_invariants, second.sidecar.tracker)
 
 

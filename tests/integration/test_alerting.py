@@ -71,7 +71,7 @@ def test_the_incident_pages_with_labels_and_annotations(incident):
     t, path, alert = pages[0]
     labels, notes = alert["labels"], alert["annotations"]
     assert path == "/pdwatch/page"  # critical routes to the pager receiver
-    assert labels["cluster"] == "incident" and labels["stage"] == "transfer" and labels["severity"] == "critical"
+    assert labels["pd_cluster"] == "incident" and labels["stage"] == "transfer" and labels["severity"] == "critical"
     assert labels["pd_instance"] in ("prefill-0", "decode-0")
     assert notes["summary"] and notes["runbook_url"].endswith(f"runbooks/{HEADLINE}.md")
     assert "transfer" in notes["description"] and re.search(r"\d", notes["description"])
@@ -87,8 +87,8 @@ def test_the_incident_pages_with_labels_and_annotations(incident):
 def test_healthy_and_long_generations_deliver_nothing(incident):
     mon = incident["monitoring"]
     for _t, _path, alert in mon.webhook.alerts():
-        assert alert["labels"].get("cluster") in ("incident", None), alert["labels"]
-    assert not [a for a in mon.firing() if a["labels"].get("cluster") in ("healthy", "long")]
+        assert alert["labels"].get("pd_cluster") in ("incident", None), alert["labels"]
+    assert not [a for a in mon.firing() if a["labels"].get("pd_cluster") in ("healthy", "long")]
 
 
 def test_every_rule_and_dashboard_expression_runs_and_its_metrics_exist(incident):

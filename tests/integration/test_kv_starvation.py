@@ -58,7 +58,7 @@ def test_a_full_decode_kv_pool_is_named_from_the_sidecar_and_from_prometheus():
             assert v["family"] == "kv_starvation", v
             assert "its KV pool is 97 % full" in v["evidence"][0]
             text = httpx.get(f"{sc.url}{c.PATH_METRICS}").text
-            assert f'{c.KV_USED.name}{{cluster="default",pd_instance="decode-0",role="decode"}} 0.97' in text
+            assert f'{c.KV_USED.name}{{pd_cluster="default",pd_instance="decode-0",role="decode"}} 0.97' in text
 
             # Prometheus's series bring the same verdict (the gatherer of `pdwatch diagnose --prometheus`).
             def from_prom():

@@ -62,7 +62,7 @@ def post_generate(port: int, body: dict, headers: dict | None = None, timeout_s:
 
 def pages(world, run) -> list[tuple[float, dict]]:
     """When Alertmanager's webhook received the headline page for this run's cluster, and the alert."""
-    return [(t, a) for t, _p, a in world.monitoring.webhook.alerts(HEADLINE) if a["labels"].get("cluster") == run.cluster]
+    return [(t, a) for t, _p, a in world.monitoring.webhook.alerts(HEADLINE) if a["labels"].get("pd_cluster") == run.cluster]
 
 
 def ok_after(run, t: float) -> list:

@@ -104,7 +104,7 @@ def test_metrics_expose_the_contract_names_and_exemplars(live_sidecar):
     sc = live_sidecar(floor_transfer_s=0.2)
     p, d = recorder(sc.url, "prefill", "prefill-0"), recorder(sc.url, "decode", "decode-0")
     send_incident(p, d)
-    stuck_line = 'pdwatch_stuck_requests{cluster="default",pd_instance="decode-0",role="decode",stage="transfer"} 2.0'
+    stuck_line = 'pdwatch_stuck_requests{pd_cluster="default",pd_instance="decode-0",role="decode",stage="transfer"} 2.0'
     def scrape() -> str:
         return httpx.get(f"{sc.url}/metrics").text
 
@@ -114,8 +114,8 @@ def test_metrics_expose_the_contract_names_and_exemplars(live_sidecar):
         for name in metric.series_names:
             assert metric.name in gpu or f"\n{name}" in text, name
     assert stuck_line in text
-    assert 'pdwatch_requests_finished_total{cluster="default",outcome="ok",pd_instance="prefill-0",role="prefill"} 3.0' in text
-    assert 'pdwatch_instance_up{cluster="default",pd_instance="decode-0",role="decode"} 1.0' in text
+    assert 'pdwatch_requests_finished_total{outcome="ok",pd_cluster="default",pd_instance="prefill-0",role="prefill"} 3.0' in text
+    assert 'pdwatch_instance_up{pd_cluster="default",pd_instance="decode-0",role="decode"} 1.0' in text
     om = httpx.get(f"{sc.url}/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"})
     assert om.headers["content-type"].startswith("application/openmetrics-text")
     exemplars = [line for line in om.text.splitlines()

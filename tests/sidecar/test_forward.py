@@ -182,7 +182,7 @@ def test_receiver_down_ingest_unaffected_and_losses_counted(live_sidecar, engine
         assert r.status_code == 200 and r.content == ExportTraceServiceResponse().SerializeToString()
     sc.judge_now()
     assert metric(sc.url, "pdwatch_spans_received_total") == sent_spans
-    assert metric(sc.url, "pdwatch_requests_finished_total", cluster="default", role="prefill",
+    assert metric(sc.url, "pdwatch_requests_finished_total", pd_cluster="default", role="prefill",
                   pd_instance="prefill-0", outcome="ok") == n_requests
     # 5 spans a request, 12 queued at most: while the worker retries the first, most are dropped.
     dropped = metric(sc.url, "pdwatch_forward_spans_total", kind="lifecycle", result="dropped")

@@ -71,10 +71,10 @@ def test_claimed_and_unclaimed_devices(gpus, make_sampler, world):
 
     assert metrics["pdwatch_gpu_telemetry_up"] == [({}, 1.0)]
     util = by_gpu(metrics["pdwatch_gpu_utilization_ratio"])
-    assert util["0"] == ({"gpu": "0", "uuid": UUIDS[0], "cluster": "default", "role": "decode", "pd_instance": "decode-0"}, 1.0)
-    assert util["1"][0] == {"gpu": "1", "uuid": UUIDS[1], "cluster": "c2", "role": "prefill", "pd_instance": "p-0"}
+    assert util["0"] == ({"gpu": "0", "uuid": UUIDS[0], "pd_cluster": "default", "role": "decode", "pd_instance": "decode-0"}, 1.0)
+    assert util["1"][0] == {"gpu": "1", "uuid": UUIDS[1], "pd_cluster": "c2", "role": "prefill", "pd_instance": "p-0"}
     # Nobody claims GPU 2: its owner labels are empty strings, its figures still there.
-    assert util["2"] == ({"gpu": "2", "uuid": UUIDS[2], "cluster": "", "role": "", "pd_instance": ""}, 0.0)
+    assert util["2"] == ({"gpu": "2", "uuid": UUIDS[2], "pd_cluster": "", "role": "", "pd_instance": ""}, 0.0)
     assert by_gpu(metrics["pdwatch_gpu_power_watts"])["0"][1] == 665.0
     assert by_gpu(metrics["pdwatch_gpu_power_watts"])["2"][1] == 160.0
     assert by_gpu(metrics["pdwatch_gpu_power_limit_watts"])["1"][1] == 700.0

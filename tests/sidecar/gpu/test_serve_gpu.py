@@ -90,8 +90,8 @@ def test_sidecar_samples_and_joins_emulated_gpus(gpus, sidecar):
     series = wait_for_up(joined)
     assert series, gpu_series(url)
     util = series["pdwatch_gpu_utilization_ratio"]
-    assert util["0"] == ({"gpu": "0", "uuid": UUIDS[0], "cluster": "default", "role": "prefill", "pd_instance": "prefill-0"}, 1.0)
-    assert util["1"] == ({"gpu": "1", "uuid": UUIDS[1], "cluster": "default", "role": "decode", "pd_instance": "decode-0"}, 0.0)
+    assert util["0"] == ({"gpu": "0", "uuid": UUIDS[0], "pd_cluster": "default", "role": "prefill", "pd_instance": "prefill-0"}, 1.0)
+    assert util["1"] == ({"gpu": "1", "uuid": UUIDS[1], "pd_cluster": "default", "role": "decode", "pd_instance": "decode-0"}, 0.0)
     assert util["2"][0]["pd_instance"] == "decode-1" and util["2"][1] == 1.0
     assert series["pdwatch_gpu_power_watts"]["1"][1] == 160.0
     assert series["pdwatch_gpu_power_limit_watts"]["1"][1] == 700.0
@@ -100,7 +100,7 @@ def test_sidecar_samples_and_joins_emulated_gpus(gpus, sidecar):
     # The decode's GPU falls off the bus: reported for it, the others go on.
     gpus.set(1, error="GPU_IS_LOST")
     lost = wait_for_up(lambda: gpu_series(url).get("pdwatch_gpu_device_errors", {}).get("1"))
-    assert lost[0] == {"gpu": "1", "uuid": UUIDS[1], "cluster": "default", "role": "decode",
+    assert lost[0] == {"gpu": "1", "uuid": UUIDS[1], "pd_cluster": "default", "role": "decode",
                        "pd_instance": "decode-0", "query": "handle", "error": "gpu_is_lost"}
     after = gpu_series(url)
     assert after["pdwatch_gpu_info"]["1"][0]["joined_by"] == "pid_last_known"  # it lists no processes any more
