@@ -242,12 +242,17 @@ class Recorder:
             attrs.update(legs.inventory(cfg.inventory_max))
         return attrs
 
-    def heartbeat(self) -> None:
+    def heartbeat(self, final: bool = False) -> None:
+        """One heartbeat; `final` marks the process's last (contract v1.2): it leaves in order, and what
+        its inventory still lists will never finish."""
         self.heartbeat_seq += 1
         with self._lock:
             span = self.export.slot()
             if span is not None:
-                otlp.fill_heartbeat(span, self.heartbeat_attributes(), self._clock())
+                attrs = self.heartbeat_attributes()
+                if final:
+                    attrs[c.H_FINAL] = True
+                otlp.fill_heartbeat(span, attrs, self._clock())
 
     def stats(self) -> dict[str, int]:
         return {
@@ -284,7 +289,7 @@ class Recorder:
             self._thread.join(timeout_s)
         try:
             self.drain()
-            self.heartbeat()
+            self.heartbeat(final=True)
             self._post(time.monotonic() + timeout_s)
             self.export.transport.close()
         except Exception:

@@ -142,6 +142,8 @@ class InstanceView:
     finished_ok_recent: int  # within the flow window
     ranks: tuple[Rank, ...]
     kv_used: float | None = None  # share of its KV pool in use, as its engine last said (None: not said)
+    state: str = "up"  # contract section 5 (v1.2): up, down or departed
+    open_at_silence: int = 0  # legs it listed in its last heartbeat, while down
 
 
 @dataclass(frozen=True, slots=True)

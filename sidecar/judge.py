@@ -80,10 +80,12 @@ class Judge:
         self.thresholds = Thresholds(tracker.samples, settings.floors)
         self.flow_window_ns = int(settings.flow_window_s * 1e9)
         self.instance_ttl_ns = int(settings.instance_ttl_s * 1e9)
+        self.down_forget_ns = int(settings.down_forget_s * 1e9)
         # The judge's own tables (verdicts.py): what it concluded, never written into the tracker.
         self.verdicts: dict[tuple[str, str], LegVerdict] = {}
         self.gone_peers = GonePeers()
-        self.down: dict[Incarnation, tuple[int, str]] = {}  # rank -> (found down at, its cluster)
+        # Ranks whose process ended for their peers (left in order, or silent) -> (since when, their cluster).
+        self.down: dict[Incarnation, tuple[int, str]] = {}
         self.stuck_detected: dict[tuple[str, str, str], int] = {}
         self._retired_seen = 0
         self.gpu = gpu
@@ -102,14 +104,15 @@ class Judge:
         self._expire(now)
         self._read_restarts()
         self._find_down(now)
+        states = {key: rules.instance_state(inst, now) for key, inst in t.instances.items()}
         frozen = {(inst.cluster, inst.name): ranks for inst in t.instances.values()
                   if (ranks := rules.frozen_ranks(inst, now))}
-        stuck, groups, thresholds, fresh, stuck_legs = self._judge_legs(now, frozen)
+        stuck, groups, thresholds, fresh, stuck_legs = self._judge_legs(now, frozen, states)
         # A loop frozen while idle names its instance, never a leg (rules.idle_frozen_ranks).
         frozen_any = frozen | {(inst.cluster, inst.name): ranks for inst in t.instances.values()
                                if (ranks := rules.idle_frozen_ranks(inst, now))}
         flowing = {name: rules.flowing(cl.last_ok_ns, now, self.flow_window_ns) for name, cl in t.clusters.items()}
-        instances = tuple(self._instance(inst, now, frozen_any) for inst in t.instances.values())
+        instances = tuple(self._instance(inst, now, frozen_any, states[key]) for key, inst in t.instances.items())
         gpus, gpu_up, reason, driver, sampled_at = self._gpus(instances)
         self._seq += 1
         ev = Evaluation(
@@ -142,17 +145,25 @@ class Judge:
     # ---- instances -------------------------------------------------------------------------
 
     def _expire(self, now: int) -> None:
-        """Instances silent past the TTL are forgotten: the tracker drops its facts, the judge its verdicts."""
+        """Instances silent past the TTL are forgotten: the tracker drops its facts, the judge its verdicts.
+        A down one goes sooner, after PDWATCH_DOWN_FORGET_S, its legs ending lost: a killed pod that was
+        rescheduled elsewhere reports to another sidecar, and its legs here no longer exist."""
         t = self.tracker
-        for key in [k for k, inst in t.instances.items() if rules.expired(inst, now, self.instance_ttl_ns)]:
-            inst = t.forget_instance(key)
-            if inst is None:
+        gone: list[tuple[tuple[str, str], str | None]] = []
+        for key, inst in t.instances.items():
+            if rules.expired(inst, now, self.instance_ttl_ns):
+                gone.append((key, None))
+            elif rules.instance_state(inst, now) == c.STATE_DOWN and self._down_since(inst) < now - self.down_forget_ns:
+                gone.append((key, c.OUTCOME_LOST))
+        for key, outcome in gone:
+            forgotten = t.forget_instance(key, outcome)
+            if forgotten is None:
                 continue
-            for inc in inst.ranks.values():
+            for inc in forgotten.ranks.values():
                 self.down.pop(inc, None)
-            if inst.cluster not in t.clusters:
-                self.gone_peers.forget_cluster(inst.cluster)
-                for skey in [k for k in self.stuck_detected if k[0] == inst.cluster]:
+            if forgotten.cluster not in t.clusters:
+                self.gone_peers.forget_cluster(forgotten.cluster)
+                for skey in [k for k in self.stuck_detected if k[0] == forgotten.cluster]:
                     del self.stuck_detected[skey]
 
     def _read_restarts(self) -> None:
@@ -166,24 +177,31 @@ class Judge:
             self.gone_peers.add(r.cluster, r.inc, r.instance, down[0] if down is not None else r.at_ns)
 
     def _find_down(self, now: int) -> None:
-        """A rank that stopped heartbeating has ended, as far as its KV peers are concerned; one that
-        heartbeats again (a stopped process continued) names a live peer once more."""
-        for inc in [inc for inc in self.down if rules.rank_up(inc, now)]:
+        """A rank that left in order or stopped heartbeating has ended, as far as its KV peers are
+        concerned; one that heartbeats again (a stopped process continued) names a live peer once more."""
+        for inc in [inc for inc in self.down if not rules.ended(inc, now)]:
             _, cluster = self.down.pop(inc)
             self.gone_peers.revive(cluster, inc)
         for inst in self.tracker.instances.values():
             for inc in inst.ranks.values():
-                if inc.last_heartbeat_ns and inc not in self.down and not rules.rank_up(inc, now):
-                    self.down[inc] = (now, inst.cluster)
-                    self.gone_peers.add(inst.cluster, inc, inst.name, now)
+                if inc not in self.down and rules.ended(inc, now):
+                    at = inc.final_ns or now
+                    self.down[inc] = (at, inst.cluster)
+                    self.gone_peers.add(inst.cluster, inc, inst.name, at)
 
-    def _instance(self, inst: Instance, now: int, frozen: Frozen) -> InstanceView:
+    def _down_since(self, inst: Instance) -> int:
+        """When the earliest of the instance's ranks found silent went so (sidecar clock)."""
+        return min((self.down[inc][0] for inc in inst.ranks.values() if inc in self.down and not inc.final_ns),
+                   default=2**63)
+
+    def _instance(self, inst: Instance, now: int, frozen: Frozen, state: str) -> InstanceView:
         owner = inst.owner
         beats = [inc.last_heartbeat_ns for inc in inst.ranks.values() if inc.last_heartbeat_ns]
         open_total = owner.open_total if owner is not None and owner.open_total is not None else \
             sum(owner.open_counts.values()) if owner is not None else 0
         return InstanceView(
-            cluster=inst.cluster, name=inst.name, role=inst.role, up=rules.instance_up(inst, now),
+            cluster=inst.cluster, name=inst.name, role=inst.role, up=state == c.STATE_UP, state=state,
+            open_at_silence=open_total if state == c.STATE_DOWN else 0,
             loop_stalled=rules.loop_stalled(inst, now), loop_frozen=(inst.cluster, inst.name) in frozen,
             restarts=inst.restarts, restart_times_ns=tuple(inst.restart_times_ns),
             start_ns=owner.start_ns if owner is not None and owner.start_ns else None,
@@ -222,7 +240,7 @@ class Judge:
             v.entries, v.stage, v.evidence, v.evidence_why, v.stuck_at_ns = leg.entries, None, None, "", None
         return v
 
-    def _judge_legs(self, now: int, frozen: Frozen) -> JudgedLegs:
+    def _judge_legs(self, now: int, frozen: Frozen, states: dict[tuple[str, str], str]) -> JudgedLegs:
         t = self.tracker
         thresholds: dict[tuple[str, str, str], float] = {}
         groups: dict[tuple[str, str, str, str], list[Any]] = {}  # key -> [stuck, oldest age, evidence counts]
@@ -247,6 +265,14 @@ class Judge:
                 group = groups[gkey] = [0, 0.0, {}]
             if age > group[1]:
                 group[1] = age
+            if states.get((leg.cluster, leg.pd_instance)) == c.STATE_DOWN and leg.inc is not None \
+                    and leg.inc.last_heartbeat_ns:
+                # Section 5 (v1.2): a down instance's own legs are no longer judged; the page for them is
+                # the silent engine's, and its open_at_silence counts them. (An engine that never sent a
+                # heartbeat never fell silent: its legs keep the threshold.)
+                if v is not None:
+                    v.stuck_at_ns = None
+                continue
             if v is not None and v.stage != stage:
                 v.evidence = None
             if v is None or v.evidence is None:

@@ -120,9 +120,13 @@ class EvaluationCollector:
         up, start, restarts = gauge(c.INSTANCE_UP), gauge(c.INSTANCE_START), counter(c.INSTANCE_RESTARTS)
         stalled, frozen, age = gauge(c.LOOP_STALLED), gauge(c.LOOP_FROZEN), gauge(c.HEARTBEAT_AGE)
         kv_used = gauge(c.KV_USED)
+        state, at_silence = gauge(c.INSTANCE_STATE), gauge(c.OPEN_AT_SILENCE)
         for inst in ev.instances:
             labels = [inst.cluster, inst.role, inst.name]
             up.add_metric(labels, 1 if inst.up else 0)
+            for name in c.INSTANCE_STATES:  # every state, so a state left reads 0 rather than vanishing
+                state.add_metric([*labels, name], 1 if inst.state == name else 0)
+            at_silence.add_metric(labels, inst.open_at_silence)
             if inst.start_ns:
                 start.add_metric(labels, inst.start_ns / 1e9)
             restarts.add_metric(labels, inst.restarts)
@@ -132,7 +136,7 @@ class EvaluationCollector:
                 age.add_metric(labels, round(inst.heartbeat_age_s, 3))
             if inst.kv_used is not None:
                 kv_used.add_metric(labels, inst.kv_used)
-        yield from (up, start, restarts, stalled, frozen, age, kv_used)
+        yield from (up, state, at_silence, start, restarts, stalled, frozen, age, kv_used)
 
     @staticmethod
     def _own(ev: Evaluation) -> Iterator[Metric]:

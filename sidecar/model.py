@@ -82,6 +82,8 @@ class Incarnation(Process):
     extra: dict[str, float] = field(default_factory=dict)
     offsets: deque[int] = field(default_factory=lambda: deque(maxlen=OFFSET_SAMPLES))
     keys: set[tuple[str, str]] = field(default_factory=set)  # open legs this process listed or reported
+    # Sidecar time of its final heartbeat (v1.2): it left in order; 0 while it has sent none (or spoke since).
+    final_ns: int = 0
 
     def offset_ns(self) -> int:
         """Sidecar clock minus engine clock, when they differ by more than export latency."""

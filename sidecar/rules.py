@@ -27,6 +27,28 @@ def instance_up(inst: Instance, now: int) -> bool:
     return bool(inst.ranks) and all(rank_up(inc, now) for inc in inst.ranks.values())
 
 
+def rank_state(inc: Incarnation, now: int) -> str:
+    """departed once its last heartbeat was final; else up while it heartbeats; else down."""
+    if inc.final_ns:
+        return c.STATE_DEPARTED
+    return c.STATE_UP if rank_up(inc, now) else c.STATE_DOWN
+
+
+def instance_state(inst: Instance, now: int) -> str:
+    """Contract section 5 (v1.2): departed when every rank left in order; down when a rank went silent
+    without a final heartbeat (dead or frozen: nobody can tell); else up. A rank that left while its
+    peers still heartbeat (a shutdown under way) leaves the instance up until they leave or fall silent."""
+    states = {rank_state(inc, now) for inc in inst.ranks.values()}
+    if states == {c.STATE_DEPARTED}:
+        return c.STATE_DEPARTED
+    return c.STATE_DOWN if c.STATE_DOWN in states or not states else c.STATE_UP
+
+
+def ended(inc: Incarnation, now: int) -> bool:
+    """The rank's process has ended as far as its KV peers know: it left in order, or fell silent."""
+    return bool(inc.final_ns) or (bool(inc.last_heartbeat_ns) and not rank_up(inc, now))
+
+
 def expired(inst: Instance, now: int, ttl_ns: int) -> bool:
     """No rank of the instance sent anything for the TTL: it was scaled away or renamed."""
     return bool(inst.ranks) and max(inc.last_seen_ns for inc in inst.ranks.values()) < now - ttl_ns

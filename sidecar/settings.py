@@ -54,6 +54,10 @@ class Settings(BaseSettings):
     max_closed_legs: int = Field(50_000, validation_alias=c.ENV_MAX_CLOSED_LEGS, gt=0,
                                  description="finished legs remembered for /api/v1/requests and de-duplication")
     max_instances: int = Field(1024, validation_alias=c.ENV_MAX_INSTANCES, gt=0, description="engine instances tracked; spans from more are rejected, counted")
+    down_forget_s: float = Field(c.DEFAULT_DOWN_FORGET_S, validation_alias=c.ENV_DOWN_FORGET, gt=0,
+                                 allow_inf_nan=False, description=(
+        "a down instance (silent without a final heartbeat) is forgotten after this long, its open legs "
+        "ending lost (a killed pod rescheduled elsewhere reports to another sidecar)"))
     instance_ttl_s: float = Field(3600.0, validation_alias=c.ENV_INSTANCE_TTL, gt=0, allow_inf_nan=False, description=(
         "an instance none of whose ranks sent anything for this long is forgotten with its open legs, counted"))
     max_rss_bytes: int = Field(4 << 30, validation_alias=c.ENV_MAX_RSS, ge=0, description=(

@@ -125,6 +125,7 @@ class HeartbeatRecord:
     interval_s: float | None
     loop_iterations: int | None
     loop_idle_turn_s: float | None  # pdwatch.loop.idle_turn_s: the engine's own word on its idle loop
+    final: bool  # pd.heartbeat.final (v1.2): the process is leaving in order; its inventory is what it leaves open
     counters: dict[str, int]  # completed, failed, tokens_generated
     open_counts: dict[str, int]
     extra: dict[str, float]  # pdwatch.* and pd.engine.* numbers
@@ -406,6 +407,7 @@ def _heartbeat(span: Span, role: str) -> HeartbeatRecord:
         interval_s=float(interval) if finite(interval) and 0 < interval <= 3600 else None,
         loop_iterations=loop if is_int(loop) else None,
         loop_idle_turn_s=float(idle_turn) if finite(idle_turn) and 0 <= idle_turn <= 3600 else None,
+        final=attrs.get(c.H_FINAL) is True,
         counters={key: attrs[name] for name, key in _COUNTERS if is_int(attrs.get(name))},
         open_counts=counts,
         extra=dict(list(extra.items())[:64]),

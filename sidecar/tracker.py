@@ -357,6 +357,9 @@ class Tracker:
             elif not inc.busy_since_ns:
                 inc.busy_since_ns = now
             self._apply_inventory(src, inc, hb.start_ns, hb.seq, hb.inventory, now)
+        inc.final_ns = now if hb.final else 0
+        if hb.final:
+            self._depart(inc, now)
 
     def _loop(self, src: Source, inc: Incarnation, loop: int | None, now: int) -> None:
         """Track how long the loop counter was seen unchanged, and remember busy stalls."""
@@ -456,10 +459,21 @@ class Tracker:
                 self.evicted["vanished"] += 1
                 self._close(leg, None, hb_ns, hb_ns)
 
+    def _depart(self, inc: Incarnation, now: int) -> None:
+        """A process that left in order (its final heartbeat): what it still held will never finish,
+        and is lost rather than stuck (contract section 5, v1.2)."""
+        for key in list(inc.keys):
+            leg = self.open.get(key)
+            if leg is not None and leg.inc is inc:
+                del self.open[key]
+                self._close(leg, c.OUTCOME_LOST, leg.stage_since_ns, now)
+        inc.keys.clear()
+
     # ---- forgetting (the judge decides when) -----------------------------------
 
-    def forget_instance(self, key: tuple[str, str]) -> Instance | None:
-        """Forget an instance the judge found past its TTL, with its open legs and counts.
+    def forget_instance(self, key: tuple[str, str], outcome: str | None = None) -> Instance | None:
+        """Forget an instance the judge found past its TTL (its open legs vanish) or down too long (they
+        end with `outcome`, lost), with its counts.
 
         An instance that was scaled away or renamed never sends the heartbeat
         that would end its legs: without this, its legs, counters and label
@@ -475,7 +489,7 @@ class Tracker:
                 if leg is not None and leg.inc is inc:
                     del self.open[leg_key]
                     self.evicted["instance_gone"] += 1
-                    self._close(leg, None, leg.stage_since_ns, now)
+                    self._close(leg, outcome, leg.stage_since_ns, now)
             inc.keys.clear()
         for counts in (self.finished, self.probes_finished):
             for fkey in [k for k in counts if k[0] == inst.cluster and k[2] == inst.name]:

@@ -37,6 +37,7 @@ class InstanceFacts:
     loop_frozen: bool = False
     evidence: dict[str, int] = field(default_factory=dict)  # reason -> stuck legs
     kv_used: float | None = None  # share (0..1) of its KV pool in use, when its engine says
+    departed: bool = False  # it left in order (a final heartbeat): not silent, raises nothing
 
 
 @dataclass
@@ -58,8 +59,8 @@ class ClusterFacts:
 
     @property
     def silent(self) -> list[InstanceFacts]:
-        """Instances that stopped sending heartbeats (down)."""
-        return [i for i in self.instances if not i.up]
+        """Instances that stopped sending heartbeats without leaving in order (down)."""
+        return [i for i in self.instances if not i.up and not i.departed]
 
     def stuck_in(self, *stages: str, role: str | None = None) -> int:
         return sum(n for (r, s), n in self.stuck.items() if s in stages and (role is None or r == role))

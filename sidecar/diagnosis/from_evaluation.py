@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from pdwatch import contract as c
+
 from ..evaluation import Evaluation
 from .facts import ClusterFacts, GpuFacts, InstanceFacts
 
@@ -56,6 +58,7 @@ def gather(ev: Evaluation) -> list[ClusterFacts]:
             loop_frozen=inst.loop_frozen,
             evidence=dict(evidence),
             kv_used=inst.kv_used,
+            departed=inst.state == c.STATE_DEPARTED,
         ))
         cf.finished_ok_recent += inst.finished_ok_recent
         cf.open_legs += inst.open_total

@@ -90,6 +90,10 @@ def gather(url: str, *, timeout_s: float = 10.0, headers: dict[str, str] | None 
                 if inst is not None:
                     yield m, v, inst
 
+        departed = f'{{{c.L_STATE}="{c.STATE_DEPARTED}"}}'
+        for _m, v, inst in each(f"max by ({c.INSTANCE_STATE.by(*PER_INSTANCE)}) ({c.INSTANCE_STATE.series}{departed})"):
+            inst.departed = v >= 1
+
         for _m, v, inst in each(_agg("max", c.HEARTBEAT_AGE, *PER_INSTANCE)):
             inst.heartbeat_age_s = v
         for _m, v, inst in each(_agg("max", c.LOOP_STALLED, *PER_INSTANCE)):

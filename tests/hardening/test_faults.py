@@ -28,7 +28,8 @@ def incident(clock, engines, rounds: int = 6):
 
     Returns the two engines and the OTLP requests they sent.
     """
-    p, d = engines("prefill", "prefill-0"), engines("decode", "decode-0")
+    # Heartbeats say 10 s apart, so the sidecar judges 20 s past the last one with both up.
+    p, d = engines("prefill", "prefill-0", heartbeat_s=10.0), engines("decode", "decode-0", heartbeat_s=10.0)
     sent, room = [], 0
     for _ in range(rounds):
         for _ in range(4):
@@ -124,8 +125,9 @@ class SkewedClock:
 
 def test_engines_whose_clocks_run_minutes_off_get_true_ages(engines, clock, live_sidecar):
     sc = live_sidecar(clock=clock, floor_transfer_s=15)
-    ahead = engines("prefill", "prefill-ahead", engine_clock=SkewedClock(clock, +300))
-    behind = engines("decode", "decode-behind", engine_clock=SkewedClock(clock, -420))
+    # 10 s heartbeat intervals: up across the 9.5 s the test lets pass without one.
+    ahead = engines("prefill", "prefill-ahead", engine_clock=SkewedClock(clock, +300), heartbeat_s=10.0)
+    behind = engines("decode", "decode-behind", engine_clock=SkewedClock(clock, -420), heartbeat_s=10.0)
     ahead.walk("p-1", 1, PREFILL)
     behind.walk("d-1", 1, ("bootstrap", "transfer"))
     with httpx.Client(base_url=sc.url) as http:

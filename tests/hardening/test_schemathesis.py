@@ -40,7 +40,7 @@ def incident_app(token: str | None):
     finally:
         p.rec.shutdown(timeout_s=1)
         d.rec.shutdown(timeout_s=1)
-    clock.advance(5)
+    clock.advance(2)  # past the 1 s floor, within the engines' 3 heartbeats: up, and their legs judged
     assert app.state.sidecar.judge_now().stuck  # the API has something to say
     return app
 

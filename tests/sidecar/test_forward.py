@@ -118,6 +118,9 @@ def test_a_leg_that_becomes_stuck_sends_one_pd_stuck_span(live_sidecar, receiver
     leg = sc.read(lambda: sc.sidecar.tracker.open[(f"{c.room_trace_id(7):032x}", "prefill")])
     assert leg.span_id  # the heartbeat's pd.open.span_ids named the leg span
     clock.advance(42)
+    # Still heartbeating (a silent instance's own legs are not judged: contract section 5, v1.2).
+    assert httpx.post(f"{sc.url}/v1/traces", content=p.request(heartbeat=True).SerializeToString(),
+                      headers=PROTOBUF).status_code == 200
     sc.judge_now()
     stuck = httpx.get(f"{sc.url}/api/v1/stuck").json()
     assert [s["trace_id"] for s in stuck] == [leg.trace_id]

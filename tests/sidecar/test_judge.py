@@ -20,6 +20,7 @@ def test_reads_of_every_kind_change_nothing_and_emit_nothing(live_sidecar, engin
         p.walk("p-1", 1, ("bootstrap", "queued", "prefill", "transfer"))
         assert httpx.post(f"{sc.url}/v1/traces", content=p.request(True).SerializeToString(), headers=PB).status_code == 200
         clock.advance(20)  # past the transfer floor: stuck, but only the judge may say so
+        assert httpx.post(f"{sc.url}/v1/traces", content=p.request(True).SerializeToString(), headers=PB).status_code == 200
         sc.judge_now()
         assert wait_for(lambda: [s for _, s in rcv.spans() if s.name == c.SPAN_STUCK])  # the judge's one pd.stuck
         tracker, judge, fwd = sc.sidecar.tracker, sc.sidecar.judge, sc.sidecar.forwarder
@@ -55,7 +56,8 @@ def test_the_judge_finds_a_stuck_leg_with_nobody_reading(live_sidecar, engines, 
         d = engines("decode", "decode-0")
         d.walk("d-1", 4, ("bootstrap", "transfer"))
         assert httpx.post(f"{sc.url}/v1/traces", content=d.request(True).SerializeToString(), headers=PB).status_code == 200
-        clock.advance(16)
+        clock.advance(16)  # and the engine still heartbeats: a silent one's own legs are not judged
+        assert httpx.post(f"{sc.url}/v1/traces", content=d.request(True).SerializeToString(), headers=PB).status_code == 200
         stuck = wait_for(lambda: [s for _, s in rcv.spans() if s.name == c.SPAN_STUCK])
         assert len(stuck) == 1 and stuck[0].trace_id.hex() == f"{c.room_trace_id(4):032x}"
         assert sc.sidecar.latest().counters.stuck_detected == {("default", "decode", "transfer"): 1}

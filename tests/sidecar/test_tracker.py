@@ -26,6 +26,7 @@ def test_a_leg_is_stuck_only_past_its_stage_floor(tracker, engines, clock):
     p.walk("p-1", 1, PREFILL_TO_TRANSFER)
     p.send(tracker)
     clock.advance(14.9)
+    p.send(tracker)  # still heartbeating: a silent instance's own legs are not judged (contract section 5)
     assert stuck_keys(tracker) == set()
     clock.advance(0.2)
     assert stuck_keys(tracker) == {(tid(1), "prefill", "transfer")}
@@ -33,6 +34,7 @@ def test_a_leg_is_stuck_only_past_its_stage_floor(tracker, engines, clock):
     assert s.threshold_s == 15 and 15 < s.age_s < 15.2
     assert judge_of(tracker).stuck_detected == {("default", "prefill", "transfer"): 1}
     clock.advance(10)
+    p.send(tracker)
     evaluate(tracker)
     assert judge_of(tracker).stuck_detected == {("default", "prefill", "transfer"): 1}  # each leg once
 
@@ -44,6 +46,8 @@ def test_both_legs_of_a_request_join_under_one_trace_id(tracker, engines, clock)
     p.send(tracker)
     d.send(tracker)
     clock.advance(16)
+    p.send(tracker)
+    d.send(tracker)
     assert stuck_keys(tracker) == {(tid(9), "prefill", "transfer"), (tid(9), "decode", "transfer")}
     legs = {leg.role: leg for leg in tracker.open.values()}
     assert (legs["prefill"].rid, legs["decode"].rid) == ("p-9", "d-9")
@@ -59,7 +63,8 @@ def test_a_decode_that_keeps_producing_tokens_is_never_stuck(tracker, engines, c
         d.rec.token("d-1", 5)
         d.send(tracker)
         assert stuck_keys(tracker) == set()
-    clock.advance(31)  # then it stops producing
+    clock.advance(31)  # then it stops producing, and keeps heartbeating
+    d.send(tracker)
     assert stuck_keys(tracker) == {(tid(1), "decode", "decode")}
 
 
@@ -85,8 +90,10 @@ def test_threshold_adapts_to_three_times_the_p99(tracker, engines, clock):
     p.walk("p-x", 10_000, PREFILL_TO_TRANSFER)
     p.send(tracker)
     clock.advance(20)  # past the 15 s floor, well within 3 x p99
+    p.send(tracker)
     assert stuck_keys(tracker) == set()
     clock.advance(11)
+    p.send(tracker)
     assert stuck_keys(tracker) == {(tid(10_000), "prefill", "transfer")}
 
 

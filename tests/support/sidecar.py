@@ -31,11 +31,11 @@ class Engine:
     """One engine process as the sidecar sees it: a recorder whose spans are handed over on demand."""
 
     def __init__(self, role: str, instance: str, clock, *, cluster: str = "default", tp_rank: int = 0,
-                 tp_size: int = 1, **cfg):
+                 tp_size: int = 1, heartbeat_s: float = 1.0, **cfg):
         self.transport = MemoryTransport()
         self.clock = clock
         self.rec = Recorder(
-            RecorderConfig(role=role, instance=instance, cluster=cluster, heartbeat_s=1.0, tp_rank=tp_rank,
+            RecorderConfig(role=role, instance=instance, cluster=cluster, heartbeat_s=heartbeat_s, tp_rank=tp_rank,
                            tp_size=tp_size, **cfg),
             transport=self.transport, clock=clock, environ={},
         )
