@@ -139,7 +139,27 @@ class Alert:
 @dataclass(frozen=True)
 class Group:
     name: str
+    # Each group names how often it is evaluated: a `for` of 5 s means nothing under Prometheus's
+    # common 30 s default (kube-prometheus-stack's), where it would wait a whole evaluation.
+    interval: str
     rules: tuple[Alert, ...]
+
+
+# Per down instance, the legs it held when it went silent (contract section 6, v1.2): a departed or up
+# instance has no down series at 1, so neither PDEngineSilent rule sees it.
+def _silent(held: str) -> str:
+    return (f"max by ({c.OPEN_AT_SILENCE.by(*c.INSTANCE_KEY)}) ({c.OPEN_AT_SILENCE.series}) {held}\n"
+            f"and on ({c.INSTANCE_STATE.by(*c.INSTANCE_KEY)}) "
+            f"max by ({c.INSTANCE_STATE.by(*c.INSTANCE_KEY)}) "
+            f'({c.INSTANCE_STATE.series}{{{c.L_STATE}="{c.STATE_DOWN}"}}) == 1')
+# A sidecar that heard from engines (its counter is above 0 since it started) and hears nothing for 5
+# minutes, unless every engine it knows left in order (a scale-down): a node that runs no engine
+# (training, spare) never fires.
+_BY_TARGET = c.SPANS_RECEIVED.by(*TARGET)
+NO_SPANS = (f"sum by ({_BY_TARGET}) (rate({c.SPANS_RECEIVED.series}[5m])) == 0\n"
+            f"and on ({_BY_TARGET}) sum by ({_BY_TARGET}) ({c.SPANS_RECEIVED.series}) > 0\n"
+            f"unless on ({_BY_TARGET}) sum by ({c.INSTANCE_STATE.by(*TARGET)}) "
+            f'({c.INSTANCE_STATE.series}{{{c.L_STATE}!="{c.STATE_DEPARTED}"}}) == 0')
 
 
 def _family(name: str, family: str, severity: str, summary: str, description: str) -> Alert:
@@ -159,7 +179,7 @@ def _stuck_in(stage: str) -> str:
 
 
 GROUPS = (
-    Group("pdwatch.requests", (
+    Group("pdwatch.requests", HEADLINE_FOR, (
         Alert(
             name=c.ALERT_STUCK_WHILE_OTHERS_FLOW,
             expr=(f"(\n  {EVIDENCE_BY_LEG_KEY} > 0\nor\n  {HELD_BY_LEG_KEY} > 0\n)\n"
@@ -204,7 +224,7 @@ GROUPS = (
             ),
         ),
     )),
-    Group("pdwatch.diagnosis", (
+    Group("pdwatch.diagnosis", "15s", (
         _family(
             c.ALERT_TRANSFER_WEDGE, "transfer_wedge", "warning",
             "The sidecar suspects a KV transfer wedge in a PD cluster.",
@@ -249,20 +269,35 @@ GROUPS = (
             + "- co-restart the PD pair so that both sides start with clean bootstrap state.",
         ),
     )),
-    Group("pdwatch.health", (
+    Group("pdwatch.health", "15s", (
+        # Contract section 9 (v1.2): critical only for a down instance that held legs (clients wait on
+        # them), warning for one that held none, nothing for one that left in order (departed).
         Alert(
             name=c.ALERT_ENGINE_SILENT,
-            expr=f"max by ({c.INSTANCE_UP.by(*c.INSTANCE_KEY)}) ({c.INSTANCE_UP.series}) == 0",
+            expr=_silent("> 0"),
             for_="1m",
             severity="critical",
-            summary="A PD engine instance stopped sending heartbeats.",
+            summary="A PD engine instance stopped sending heartbeats while it held requests.",
             description=(
                 f"No heartbeat from {_show(ROLE)} instance {_show(INSTANCE)} (cluster "
                 f"{_show(CLUSTER)}) for "
                 + _scalar(*_in("max({})", _sel(c.HEARTBEAT_AGE, CLUSTER, INSTANCE)))
-                + "; its process is dead or frozen. Legs open on it: "
-                + _sum(_sel(c.INFLIGHT, CLUSTER, INSTANCE))
-                + "."
+                + " and no final heartbeat: its process is dead or frozen. Legs it held when it went silent: "
+                "{{ $value }}; their clients wait."
+            ),
+        ),
+        Alert(
+            name=c.ALERT_ENGINE_SILENT,
+            expr=_silent("== 0"),
+            for_="1m",
+            severity="warning",
+            summary="A PD engine instance stopped sending heartbeats; it held no request.",
+            description=(
+                f"No heartbeat from {_show(ROLE)} instance {_show(INSTANCE)} (cluster "
+                f"{_show(CLUSTER)}) for "
+                + _scalar(*_in("max({})", _sel(c.HEARTBEAT_AGE, CLUSTER, INSTANCE)))
+                + " and no final heartbeat, holding no request: killed, or frozen while idle. The sidecar "
+                f"forgets it after {c.DEFAULT_DOWN_FORGET_S:.0f} s ({c.ENV_DOWN_FORGET})."
             ),
         ),
         Alert(
@@ -281,13 +316,14 @@ GROUPS = (
         ),
         Alert(
             name=c.ALERT_TELEMETRY_MISSING,
-            expr=f"sum by ({c.SPANS_RECEIVED.by(*TARGET)}) (rate({c.SPANS_RECEIVED.series}[5m])) == 0",
+            expr=NO_SPANS,
             for_="5m",
             severity="warning",
-            summary="The pdwatch sidecar receives no spans: no engine reports to it.",
+            summary="The pdwatch sidecar receives no spans: no engine reports to it any more.",
             description=(
-                f"The sidecar {_show(c.L_TARGET)} received no span for 5 minutes although every engine "
-                "heartbeats every few seconds: the engines' OTLP endpoint or the recorder is broken. "
+                f"The sidecar {_show(c.L_TARGET)} heard from engines before and received no span for 5 "
+                "minutes, although every engine heartbeats every few seconds and not every engine it knows "
+                "left in order: the engines' OTLP endpoint or the recorder is broken. "
                 "Spans rejected in that time: "
                 + _count(*_in("sum(increase({}[5m]))", _sel(c.SPANS_REJECTED, c.L_TARGET)))
                 + "."
@@ -343,7 +379,7 @@ def render(base: str = DEFAULT_RUNBOOK_BASE) -> str:
         "groups:",
     ]
     for group in GROUPS:
-        out += [f"  - name: {group.name}", "    rules:"]
+        out += [f"  - name: {group.name}", f"    interval: {group.interval}", "    rules:"]
         for rule in group.rules:
             out.append(f"      - alert: {rule.name}")
             out += _block("expr", rule.expr, "        ")

@@ -137,10 +137,18 @@ class Monitoring:
                 hook["url"] = self.webhook.url + path
         return config
 
+    def _rules(self) -> Json:
+        """The rule file with every group evaluated at this Prometheus's pace (each group names its own
+        interval, seconds apart, for production; a test judges in seconds, as the Alertmanager above)."""
+        rules: Json = yaml.safe_load(self.rules.read_text())
+        for group in rules.get("groups", []):
+            group["interval"] = f"{self.eval_s:g}s"
+        return rules
+
     def _prometheus_config(self) -> Json:
         return {
             "global": {"scrape_interval": f"{self.scrape_s:g}s", "evaluation_interval": f"{self.eval_s:g}s"},
-            "rule_files": [str(self.rules)],
+            "rule_files": [str(self.dir / "rules.yml")],
             "alerting": {"alertmanagers": [{"static_configs": [{"targets": [f"127.0.0.1:{self.am_port}"]}]}]},
             "scrape_configs": [{"job_name": "pdwatch", "static_configs": [{"targets": self.sidecars}]}],
         }
@@ -148,6 +156,7 @@ class Monitoring:
     def start(self, timeout_s: float = 30.0) -> Monitoring:
         self.webhook.start()
         (self.dir / "alertmanager.yml").write_text(yaml.safe_dump(self._alertmanager_config()))
+        (self.dir / "rules.yml").write_text(yaml.safe_dump(self._rules()))
         (self.dir / "prometheus.yml").write_text(yaml.safe_dump(self._prometheus_config()))
         log = open(self.dir / "monitoring.log", "ab")
         self.procs.append(subprocess.Popen([
