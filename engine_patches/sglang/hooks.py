@@ -106,6 +106,13 @@ def on_scheduler_ready(result: Any, self: Any, *args: Any, **kwargs: Any) -> Non
         state.log_start_failure()
 
 
+def on_shutdown(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
+    try:
+        state.leave()
+    except Exception:
+        _counted_error()
+
+
 def on_loop_iteration(self: Any, *args: Any, **kwargs: Any) -> None:
     rec = state.rec
     if rec is not None:

@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from pdwatch.engine_patches.recorder import Recorder
 
 log = logging.getLogger("pdwatch.sglang")
+# How long the final heartbeat may wait for the sidecar when the scheduler stops.
+LEAVE_POST_S = 2.0
 
 # Bounds for the bridging maps; an entry lives only while its leg is open, so
 # these only fill when SGLang loses requests without streaming them.
@@ -89,6 +91,15 @@ class PluginState:
         if not self._start_logged:
             self._start_logged = True
             log.warning("pdwatch: could not start the recorder; SGLang runs without it", exc_info=True)
+
+    def leave(self) -> None:
+        """The process leaves in order: stop recording, send the final heartbeat. It runs on the scheduler
+        thread as its loop ends, and waits at most LEAVE_POST_S for the sidecar (SGLang SIGKILLs
+        schedulers 15 s after asking them to stop)."""
+        rec, self.rec, self.lc = self.rec, None, None
+        if rec is not None:
+            rec.shutdown(timeout_s=LEAVE_POST_S)
+            log.info("pdwatch: final heartbeat sent (%s)", self.role)
 
     def reset(self) -> None:
         """Back to a fresh process (tests)."""

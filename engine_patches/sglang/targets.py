@@ -59,6 +59,11 @@ TARGETS: tuple[Target, ...] = (
                        "CommonKVManager.bootstrap_port")),
     Target(f"{SCHED}.ingest_requests", "before", "on_loop_iteration",
            "one scheduler loop iteration (heartbeat pd.loop.iterations)", ("self",)),
+    # SIGTERM to an SGLang server drains its requests in the HTTP process, then sends every scheduler
+    # a ShutdownReq, which ends its loop; the schedulers still alive 15 s later are SIGKILLed.
+    Target(f"{SCHED}.handle_shutdown", "after", "on_shutdown",
+           "the process leaves in order: the recorder's final heartbeat (pd.heartbeat.final) lists what it "
+           "still holds", ("self",)),
     # -- the router's traceparent: HTTP process -> scheduler --------------------
     Target(f"{TOKENIZER}._init_req_state", "after", "on_request_state",
            "HTTP process: notes the request's traceparent header on its time stats",
