@@ -95,6 +95,8 @@ def instance(inst: InstanceView) -> dict[str, Any]:
         "pd_instance": inst.name,
         "role": inst.role,
         "up": inst.up,
+        "state": inst.state,  # up, down or departed (contract section 5, v1.2)
+        "open_at_silence": inst.open_at_silence,
         "loop_stalled": inst.loop_stalled,
         "loop_frozen": inst.loop_frozen,
         "restarts": inst.restarts,

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
+import signal
 import socket
 import time
 from unittest import mock
@@ -95,7 +97,19 @@ def healthy(live_world):
                     extra["long_seen_open"] = leg
         # Then as long as the long generation takes (1500 tokens: slower than the load on a slow day).
         long = extra["long"]
-        return time.monotonic() >= extra["load_ends"] and (long is None or long.done_at is not None)
+        if time.monotonic() < extra["load_ends"] or (long is not None and long.done_at is None):
+            return False
+        # Then decode-1 is scaled down as Kubernetes does it, holding nothing: SIGTERM to its server's
+        # parent process alone. SGLang drains, stops its schedulers, and the plugin's final heartbeat
+        # must make it departed, never down.
+        if "sigterm_at" not in extra:
+            extra["sigterm_at"], extra["states"] = time.monotonic(), []
+            os.kill(run.stack.engines["decode-1"].proc.pid, signal.SIGTERM)
+        insts = {i["pd_instance"]: i for i in live_world.sidecar.get("/api/v1/summary")["instances"]
+                 if i["cluster"] == run.cluster}
+        state = insts.get("decode-1", {}).get("state")
+        extra["states"].append((time.monotonic() - extra["sigterm_at"], state))
+        return state == "departed" or time.monotonic() - extra["sigterm_at"] > 40
 
     # The prefill's first HTTP port is one some other listener holds: the stack must notice at
     # once (SGLang's server does not exit then) and start it again on fresh ports.
@@ -121,7 +135,20 @@ def test_both_roles_finish_ok_nothing_stuck_every_instance_up(healthy):
     assert not run.stuck_ever(), run.stuck_ever()[:3]
     assert not run.families(), run.families()
     insts = instances(run)
-    assert set(insts) == {"prefill-0", "decode-0", "decode-1"} and all(i["up"] for i in insts.values())
+    assert set(insts) == {"prefill-0", "decode-0", "decode-1"}
+    assert insts["prefill-0"]["up"] and insts["decode-0"]["up"]  # decode-1 was scaled down at the end
+
+
+def test_a_decode_scaled_down_with_sigterm_departs_and_is_never_down(healthy):
+    """SIGTERM to an idle SGLang decode server: it drains (nothing), stops its schedulers, and the
+    plugin's final heartbeat departs the instance: never down, so nothing is raised for it."""
+    run, extra, _world = healthy
+    states = extra["states"]
+    assert states and states[-1][1] == "departed", states
+    assert "down" not in {s for _t, s in states}, states
+    assert states[-1][0] < 20, states  # SGLang's drain checks every 5 s; the final heartbeat follows
+    assert instances(run)["decode-1"]["open_at_silence"] == 0
+    assert not [leg for leg in run.stuck_ever() if leg["pd_instance"] == "decode-1"]
     finished = run.summary["clusters"][run.cluster]["finished"]
     assert finished["prefill"].get("ok", 0) >= 20 and finished["decode"].get("ok", 0) >= 20, finished
 
