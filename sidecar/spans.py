@@ -282,6 +282,7 @@ def check_ids(span: Span) -> None:
 
 
 _ROOM_AT = 3  # where engine_patches/otlp.py puts pd.bootstrap_room among a stage span's attributes
+_INT = "int_value"
 
 
 def room_of(span: Span) -> int | None:
@@ -298,7 +299,8 @@ def room_of(span: Span) -> int | None:
         if kv is None:
             return None
     v = kv.value
-    return v.int_value if v.WhichOneof("value") == "int_value" else None
+    room = v.int_value  # 0 when the value is not an int: only then is its type asked
+    return room if room or v.WhichOneof("value") == _INT else None
 
 
 def _leg(span: Span, role: str) -> LegRecord:
@@ -326,7 +328,6 @@ def _leg(span: Span, role: str) -> LegRecord:
 # A leg span's attributes by key, for the fast path below; the order is the recorder's.
 _LEG_KEYS = {k: i for i, k in enumerate((c.A_ROLE, c.A_RID, c.A_OUTCOME, c.A_OUTPUT_TOKENS, c.A_PROMPT_TOKENS,
                                          c.A_PROBE, c.A_ROOM, c.A_PEER))}
-_INT = "int_value"
 
 
 def _leg_fast(span: Span, role: str) -> LegRecord | None:

@@ -83,7 +83,10 @@ class Tracker:
         self.clusters: dict[str, Cluster] = {}
         self.retirements: deque[Retirement] = deque(maxlen=_RETIREMENTS_MAX)
         self.retired_total = 0  # retirements ever logged: the judge reads those past its last count
-        self._seen_spans: OrderedDict[bytes, None] = OrderedDict()
+        # Span ids applied, for replays: a set to ask, and the same ids oldest first to forget by
+        # (cheaper on the hot path than one ordered dict doing both).
+        self._seen_spans: set[bytes] = set()
+        self._seen_order: deque[bytes] = deque()
         # Monotonic counters, copied into each Evaluation by the judge.
         self.spans_received = 0
         self.spans_foreign = 0
@@ -160,9 +163,11 @@ class Tracker:
         seen = self._seen_spans
         if span_id in seen:
             return True
-        seen[span_id] = None
-        if len(seen) > _SEEN_SPANS_MAX:
-            seen.popitem(last=False)
+        seen.add(span_id)
+        order = self._seen_order
+        order.append(span_id)
+        if len(order) > _SEEN_SPANS_MAX:
+            seen.remove(order.popleft())
         return False
 
     def _incarnation(self, src: Source, now: int) -> Incarnation:
@@ -298,16 +303,17 @@ class Tracker:
                 durations: Durations) -> None:
         """One batch's finished stages, in order: the bulk of all records, so one loop with its lookups
         made once rather than a call per record."""
-        seen, opened, closed = self._seen_spans, self.open, self.closed
+        seen, order, opened, closed = self._seen_spans, self._seen_order, self.open, self.closed
         role = src.role
-        steps, order = _STEPS[role], STAGE_INDEX[role]
+        steps, stage_index = _STEPS[role], STAGE_INDEX[role]
         for tid, sid, parent, stage, start, end, error, span in records:
             if sid in seen:
                 self.duplicates += 1
                 continue
-            seen[sid] = None
-            if len(seen) > _SEEN_SPANS_MAX:
-                seen.popitem(last=False)
+            seen.add(sid)  # as _seen does, without a call per record
+            order.append(sid)
+            if len(order) > _SEEN_SPANS_MAX:
+                seen.remove(order.popleft())
             trace_id = tid.hex()
             key = (trace_id, role)
             leg = opened.get(key) or closed.get(key)
@@ -329,7 +335,7 @@ class Tracker:
                 continue  # closed already: history only
             # The end of one stage is the start of the next: move an open leg on
             # unless a newer heartbeat already put it further along.
-            if leg.stage is not None and order.get(leg.stage, -1) > here:
+            if leg.stage is not None and stage_index.get(leg.stage, -1) > here:
                 continue
             if error is not None or following is None:
                 if leg.stage != stage:
