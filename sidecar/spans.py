@@ -69,7 +69,7 @@ class Source(Process):
 # One finished stage: (trace id, span id, parent span id, stage, start ns, end ns, error, span), the error
 # being the status message when the stage ended in failure, the span there for `room_of`. A plain tuple,
 # not a named one: stage records are the bulk of all records, and each is made once and unpacked once.
-StageRecord = tuple[bytes, bytes, bytes, str, int, int, "str | None", Span]
+StageRecord = tuple[bytes, bytes, bytes, str, int, int, str | None, Span]
 
 
 @dataclass(slots=True)
