@@ -14,18 +14,19 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request, Response
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.routing import APIRoute
 from prometheus_client.exposition import choose_encoder
 
 from pdwatch import contract as c
 
 from . import ui, views
-from .auth import Auth
+from .auth import Auth, authorized
 from .otlp_body import PROTOBUF, BodyError, decompress, media_type, response_body
 from .overload import RETRY_AFTER_S
 from .service import Sidecar
@@ -55,6 +56,17 @@ INGEST_OPENAPI: dict[str, Any] = {
             (503, "sidecar memory over its limit; Retry-After"))},
     },
 }
+
+
+class IngestRoute(APIRoute):
+    """The ingest route without FastAPI's per-request parameter handling: its handler takes the
+    request alone, reads the body itself and checks the token itself, so there is nothing to solve
+    (solving it was about half of the route's own time on the event loop). It stays an APIRoute,
+    so the OpenAPI schema describes it as before."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler: Callable[[Request], Coroutine[Any, Any, Response]] = self.endpoint
+        return handler
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -115,9 +127,8 @@ def create_app(settings: Settings | None = None, *, clock: Callable[[], int] = t
     def docs(_: Auth) -> HTMLResponse:
         return get_swagger_ui_html(openapi_url="/openapi.json", title="pdwatch sidecar API")
 
-    @app.post(c.PATH_INGEST, summary="OTLP/HTTP trace ingest (protobuf or JSON, optionally gzip)",
-              openapi_extra=INGEST_OPENAPI)
-    async def ingest(request: Request, _: Auth) -> Response:
+    async def ingest(request: Request) -> Response:
+        await authorized(request)  # what Auth does on the other routes, without a dependency to solve
         refusal = sc.guard.refusal()
         if refusal is not None:
             return JSONResponse({"detail": refusal[1]}, status_code=refusal[0], headers={"Retry-After": RETRY_AFTER_S})
@@ -145,6 +156,10 @@ def create_app(settings: Settings | None = None, *, clock: Callable[[], int] = t
             return JSONResponse({"detail": err.message}, status_code=err.status, headers=headers)
         finally:
             sc.guard.in_flight -= 1
+
+    app.router.add_api_route(c.PATH_INGEST, ingest, methods=["POST"], route_class_override=IngestRoute,
+                             summary="OTLP/HTTP trace ingest (protobuf or JSON, optionally gzip)",
+                             openapi_extra=INGEST_OPENAPI)
 
     @app.get(c.PATH_METRICS, summary="Prometheus text; OpenMetrics with exemplars when asked for")
     def metrics(request: Request) -> Response:

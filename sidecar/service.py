@@ -76,10 +76,15 @@ class Sidecar:
             self.forwarder.stop()
 
     def ingest(self, body: bytes, media: str) -> tuple[ExportTraceServiceRequest, Decoded, Applied]:
-        """Parse, decode and apply one OTLP body; runs on the worker (BodyError for a malformed body)."""
+        """Parse, decode and apply one OTLP body; runs on the worker (BodyError for a malformed body).
+
+        The decoded records are let go here, where they were made: what comes back holds only the
+        counts, so the event loop does not free a request's worth of records after answering."""
         request = parse_request(body, media)
         decoded = decode(request)
-        return request, decoded, self.tracker.apply(decoded)
+        applied = self.tracker.apply(decoded)
+        decoded.batches.clear()
+        return request, decoded, applied
 
     def judge_now(self) -> Evaluation:
         """Run the judge's tick at once, on its thread (tests, and the demo's final word)."""

@@ -5,10 +5,13 @@ leg records and heartbeats, and the spans that could not be used, each with
 a reason from a fixed set (the label values of `pdwatch_spans_rejected_total`).
 Everything the contract requires of a span's own content is checked here;
 what depends on the tracker's state (a replaced process, a replayed span, a
-late heartbeat) is the tracker's to judge. The tracker never sees protobuf.
+late heartbeat) is the tracker's to judge. The tracker reads no protobuf
+field itself.
 
 Stage spans are the bulk: their records are plain tuples and their attributes
-are not decoded beyond the bootstrap room.
+are not decoded at all. The one the tracker may need, the bootstrap room, it
+reads through `room_of` when a stage span opens a leg (once per leg, not per
+stage), so a stage record carries its span for that.
 """
 
 from __future__ import annotations
@@ -63,15 +66,10 @@ class Source(Process):
     peer_ids: tuple[str, ...] = ()
 
 
-class StageRecord(NamedTuple):
-    trace_id: bytes
-    span_id: bytes
-    parent_span_id: bytes
-    stage: str
-    start_ns: int
-    end_ns: int
-    error: str | None  # the status message when the stage ended in failure
-    room: int | None
+# One finished stage: (trace id, span id, parent span id, stage, start ns, end ns, error, span), the error
+# being the status message when the stage ended in failure, the span there for `room_of`. A plain tuple,
+# not a named one: stage records are the bulk of all records, and each is made once and unpacked once.
+StageRecord = tuple[bytes, bytes, bytes, str, int, int, str | None, Span]
 
 
 @dataclass(slots=True)
@@ -285,14 +283,16 @@ def check_ids(span: Span) -> None:
 
 
 _ROOM_AT = 3  # where engine_patches/otlp.py puts pd.bootstrap_room among a stage span's attributes
+_INT = "int_value"
 
 
-def _room_of(span: Span) -> int | None:
+def room_of(span: Span) -> int | None:
     """pd.bootstrap_room of a stage span, without decoding its other attributes.
 
-    On the ingest hot path (a fifth of decoding went here): pdwatch's recorder
-    writes the room fourth, after role, stage and rid, so that place is read
-    first; any other order still works through the walk."""
+    Asked by the tracker only for a stage span that opens a leg: read for every
+    stage span, it was a fifth of decoding. pdwatch's recorder writes the room
+    fourth, after role, stage and rid, so that place is read first; any other
+    order still works through the walk."""
     kvs = span.attributes
     kv = kvs[_ROOM_AT] if len(kvs) > _ROOM_AT else None
     if kv is None or kv.key != c.A_ROOM:
@@ -300,7 +300,8 @@ def _room_of(span: Span) -> int | None:
         if kv is None:
             return None
     v = kv.value
-    return v.int_value if v.WhichOneof("value") == "int_value" else None
+    room = v.int_value  # 0 when the value is not an int: only then is its type asked
+    return room if room or v.WhichOneof("value") == _INT else None
 
 
 def _leg(span: Span, role: str) -> LegRecord:
@@ -322,6 +323,63 @@ def _leg(span: Span, role: str) -> LegRecord:
         probe=attrs.get(c.A_PROBE) is True,
         output_tokens=tokens if is_int(tokens) and tokens >= 0 else None,
         prompt_tokens=prompt if is_int(prompt) and prompt >= 0 else None,
+    )
+
+
+# A leg span's attributes by key, for the fast path below; the order is the recorder's.
+_LEG_KEYS = {k: i for i, k in enumerate((c.A_ROLE, c.A_RID, c.A_OUTCOME, c.A_OUTPUT_TOKENS, c.A_PROMPT_TOKENS,
+                                         c.A_PROBE, c.A_ROOM, c.A_PEER))}
+
+
+def _leg_fast(span: Span, role: str) -> LegRecord | None:
+    """`_leg` for a well-formed leg span, reading each attribute once by the type it must have.
+
+    None when anything is out of the ordinary (ids, times, a role or outcome that is not a plain
+    valid string): `_leg` then decides, with its reason. Where a typed read would tell no different
+    from the dict `_leg` builds, it is used as is: a string read from a value of another type is "",
+    a bool read from one is False, and only an int of 0 needs its type asked.
+    """
+    tid, sid, parent = span.trace_id, span.span_id, span.parent_span_id
+    start, end = span.start_time_unix_nano, span.end_time_unix_nano
+    if not (len(tid) == 16 and tid != ZERO16 and len(sid) == 8 and sid != ZERO8
+            and (not parent or len(parent) == 8) and end >= start):
+        return None
+    leg_role: str | None = role
+    outcome = rid = peer = ""
+    room = tokens = prompt = None
+    probe = False
+    keys = _LEG_KEYS
+    for kv in span.attributes:
+        i = keys.get(kv.key)
+        if i is None:
+            continue
+        v = kv.value
+        if i == 0:
+            leg_role = v.string_value or None  # "" of another type may be a value `_leg` refuses
+        elif i == 1:
+            rid = v.string_value
+        elif i == 2:
+            outcome = v.string_value
+        elif i == 5:
+            probe = v.bool_value
+        elif i == 7:
+            peer = v.string_value
+        else:
+            n = v.int_value
+            if n == 0 and v.WhichOneof("value") != _INT:
+                n = None
+            if i == 3:
+                tokens = n
+            elif i == 4:
+                prompt = n
+            else:
+                room = n
+    if leg_role is None or leg_role not in c.ROLES or outcome not in c.OUTCOMES:
+        return None
+    return LegRecord(
+        tid, sid, leg_role, outcome, start, end, rid, room, peer[:MAX_TEXT] or None, probe,
+        tokens if tokens is not None and tokens >= 0 else None,
+        prompt if prompt is not None and prompt >= 0 else None,
     )
 
 
@@ -440,13 +498,32 @@ def decode(request: ExportTraceServiceRequest) -> Decoded:
         batch = Batch(source)
         batches.append(batch)
         role, valid = source.role, _STAGES_OF[source.role]
-        append = batch.stages.append
+        stages, legs = batch.stages, batch.legs
         for span in spans:
             name = span.name
+            stage = STAGE_SPANS.get(name)
+            if stage is not None and stage in valid:
+                # The bulk: a stage span of this role whose ids and times hold is kept as it is read;
+                # any that fails a check goes the long way below, which names the reason.
+                tid, sid, parent = span.trace_id, span.span_id, span.parent_span_id
+                start, end = span.start_time_unix_nano, span.end_time_unix_nano
+                if (len(tid) == 16 and tid != ZERO16 and len(sid) == 8 and sid != ZERO8
+                        and (not parent or len(parent) == 8) and end >= start):
+                    error = None
+                    if span.HasField("status"):  # absent unless the stage failed: no Status object to make
+                        status = span.status
+                        if status.code == _STATUS_ERROR:
+                            error = status.message or "error"
+                    stages.append((tid, sid, parent, stage, start, end, error, span))
+                    continue
+            elif name == c.SPAN_LEG:
+                leg = _leg_fast(span, role)
+                if leg is not None:
+                    legs.append(leg)
+                    continue
             if name == c.SPAN_HEARTBEAT:
                 heartbeats += 1
             try:
-                stage = STAGE_SPANS.get(name)
                 if stage is None and name != c.SPAN_LEG and name != c.SPAN_HEARTBEAT:
                     if name.startswith(c.STAGE_SPAN_PREFIX):
                         raise Rejection("unknown_span", f"span {name[:64]!r} is not a pdwatch span")
@@ -463,9 +540,9 @@ def decode(request: ExportTraceServiceRequest) -> Decoded:
                         raise Rejection("bad_value", f"stage {stage!r} is not a stage of role {role!r}")
                     status = span.status
                     error = (status.message or "error") if status.code == _STATUS_ERROR else None
-                    append(StageRecord(tid, sid, parent, stage, start, end, error, _room_of(span)))
+                    stages.append((tid, sid, parent, stage, start, end, error, span))
                 elif name == c.SPAN_LEG:
-                    batch.legs.append(_leg(span, role))
+                    legs.append(_leg(span, role))
                 else:
                     batch.heartbeats.append(_heartbeat(span, role))
             except Rejection as rej:

@@ -31,7 +31,18 @@ from .model import (
 )
 from .samples import StageSamples
 from .settings import Settings
-from .spans import REASONS, Batch, Decoded, HeartbeatRecord, Inventory, LegRecord, Rejection, Source, StageRecord
+from .spans import (
+    REASONS,
+    Batch,
+    Decoded,
+    HeartbeatRecord,
+    Inventory,
+    LegRecord,
+    Rejection,
+    Source,
+    StageRecord,
+    room_of,
+)
 
 STAGE_INDEX = {role: {s: i for i, s in enumerate(stages)} for role, stages in c.STAGES.items()}
 # role -> stage -> (its place in the role's order, the stage that follows it or None)
@@ -72,7 +83,10 @@ class Tracker:
         self.clusters: dict[str, Cluster] = {}
         self.retirements: deque[Retirement] = deque(maxlen=_RETIREMENTS_MAX)
         self.retired_total = 0  # retirements ever logged: the judge reads those past its last count
-        self._seen_spans: OrderedDict[bytes, None] = OrderedDict()
+        # Span ids applied, for replays: a set to ask, and the same ids oldest first to forget by
+        # (cheaper on the hot path than one ordered dict doing both).
+        self._seen_spans: set[bytes] = set()
+        self._seen_order: deque[bytes] = deque()
         # Monotonic counters, copied into each Evaluation by the judge.
         self.spans_received = 0
         self.spans_foreign = 0
@@ -124,8 +138,7 @@ class Tracker:
         bad: list[tuple[str, str]] = []
         durations: Durations = {stage: ([], []) for stage in c.STAGES[src.role]}
         try:
-            for rec in batch.stages:
-                self._stage(src, inc, rec, now, durations)
+            self._stages(src, inc, batch.stages, now, durations)
             for leg in batch.legs:
                 self._leg_span(src, inc, leg, now)
             for hb in batch.heartbeats:
@@ -150,9 +163,11 @@ class Tracker:
         seen = self._seen_spans
         if span_id in seen:
             return True
-        seen[span_id] = None
-        if len(seen) > _SEEN_SPANS_MAX:
-            seen.popitem(last=False)
+        seen.add(span_id)
+        order = self._seen_order
+        order.append(span_id)
+        if len(order) > _SEEN_SPANS_MAX:
+            seen.remove(order.popleft())
         return False
 
     def _incarnation(self, src: Source, now: int) -> Incarnation:
@@ -284,46 +299,50 @@ class Tracker:
         leg.arrive_ns = rec.start_ns
         self._close(leg, rec.outcome, rec.end_ns, now)
 
-    def _stage(self, src: Source, inc: Incarnation, rec: StageRecord, now: int, durations: Durations) -> None:
-        """A finished stage: the bulk of all records."""
-        seen = self._seen_spans
-        sid = rec.span_id
-        if sid in seen:
-            self.duplicates += 1
-            return
-        seen[sid] = None
-        if len(seen) > _SEEN_SPANS_MAX:
-            seen.popitem(last=False)
-        role, stage, start, end, error = src.role, rec.stage, rec.start_ns, rec.end_ns, rec.error
-        trace_id = rec.trace_id.hex()
-        key = (trace_id, role)
-        leg = self.open.get(key) or self.closed.get(key)
-        if leg is None:
-            leg = self._new_leg(key, src, inc)
-            if leg is not None:
-                leg.room = rec.room
-        if error is None:
-            batch = durations[stage]
-            batch[0].append((end - start) / 1e9)
-            batch[1].append(trace_id)
-        if leg is None:
-            return
-        if leg.span_id is None and rec.parent_span_id:
-            leg.span_id = rec.parent_span_id.hex()
-        here, following = _STEPS[role][stage]
-        record_stage(leg, stage, start, end, error)
-        if leg.end_ns is not None:
-            return  # closed already: history only
-        # The end of one stage is the start of the next: move an open leg on
-        # unless a newer heartbeat already put it further along.
-        if leg.stage is not None and STAGE_INDEX[role].get(leg.stage, -1) > here:
-            return
-        if error is not None or following is None:
-            if leg.stage != stage:
-                leg.enter(stage, start)
-            leg.stage_since_ns, leg.stage_done = start, True
-        elif leg.stage != following or leg.stage_since_ns != end:
-            leg.enter(following, end)
+    def _stages(self, src: Source, inc: Incarnation, records: list[StageRecord], now: int,
+                durations: Durations) -> None:
+        """One batch's finished stages, in order: the bulk of all records, so one loop with its lookups
+        made once rather than a call per record."""
+        seen, order, opened, closed = self._seen_spans, self._seen_order, self.open, self.closed
+        role = src.role
+        steps, stage_index = _STEPS[role], STAGE_INDEX[role]
+        for tid, sid, parent, stage, start, end, error, span in records:
+            if sid in seen:
+                self.duplicates += 1
+                continue
+            seen.add(sid)  # as _seen does, without a call per record
+            order.append(sid)
+            if len(order) > _SEEN_SPANS_MAX:
+                seen.remove(order.popleft())
+            trace_id = tid.hex()
+            key = (trace_id, role)
+            leg = opened.get(key) or closed.get(key)
+            if leg is None:
+                leg = self._new_leg(key, src, inc)
+                if leg is not None:
+                    leg.room = room_of(span)
+            if error is None:
+                batch = durations[stage]
+                batch[0].append((end - start) / 1e9)
+                batch[1].append(trace_id)
+            if leg is None:
+                continue
+            if leg.span_id is None and parent:
+                leg.span_id = parent.hex()
+            here, following = steps[stage]
+            record_stage(leg, stage, start, end, error)
+            if leg.end_ns is not None:
+                continue  # closed already: history only
+            # The end of one stage is the start of the next: move an open leg on
+            # unless a newer heartbeat already put it further along.
+            if leg.stage is not None and stage_index.get(leg.stage, -1) > here:
+                continue
+            if error is not None or following is None:
+                if leg.stage != stage:
+                    leg.enter(stage, start)
+                leg.stage_since_ns, leg.stage_done = start, True
+            elif leg.stage != following or leg.stage_since_ns != end:
+                leg.enter(following, end)
 
     # ---- heartbeats ----------------------------------------------------------
 
