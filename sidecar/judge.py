@@ -349,21 +349,21 @@ class Judge:
                     return c.REASON_PEER_GONE, (
                         f"its peer {peer} was {gone.instance}'s process {gone.incarnation[:12]}, which ended "
                         f"{(now - gone.ended_ns) / 1e9:.0f} s ago; the leg is still listed")
-        inc = leg.inc
+        own = leg.inc
         # overtaken: most legs are turned away at once (young ones, those of unknown size), the rest by what
         # their process's passages through the stage allow, read once a tick for the first leg that asks.
-        if leg.prompt_tokens is None or inc is None or age <= c.OVERTAKEN_INTERVALS * inc.interval_s:
+        if leg.prompt_tokens is None or own is None or age <= c.OVERTAKEN_INTERVALS * own.interval_s:
             return None
-        per_stage = passed.get(inc)
+        per_stage = passed.get(own)
         if per_stage is None:
-            per_stage = passed[inc] = {}
+            per_stage = passed[own] = {}
         p = per_stage.get(stage, _UNREAD)
         if p is _UNREAD:
-            p = per_stage[stage] = self._passed(inc, stage, leg.role)
+            p = per_stage[stage] = self._passed(own, stage, leg.role)
         # The rule's own first tests, here to spare most of the rest a call: K entered after the leg, K as big.
         if p is None or leg.stage_since_ns >= p.kth_start or leg.prompt_tokens > p.kth_prompt or age <= p.least_rule_s:
             return None
-        return self._overtaken(leg, inc, p, leg.prompt_tokens, stage, age)
+        return self._overtaken(leg, own, p, leg.prompt_tokens, stage, age)
 
     def _overtaken(self, leg: Leg, inc: Incarnation, p: rules.Passed, prompt_tokens: int, stage: str,
                    age: float) -> tuple[str, str] | None:
