@@ -37,7 +37,8 @@ REASON_THRESHOLD = "threshold"
 REASON_PEER_GONE = "peer_gone"
 REASON_LOOP_FROZEN = "loop_frozen"
 REASON_ENGINE_ERROR = "engine_error"
-EVIDENCE_REASONS = (REASON_PEER_GONE, REASON_LOOP_FROZEN, REASON_ENGINE_ERROR)
+REASON_OVERTAKEN = "overtaken"  # v1.2
+EVIDENCE_REASONS = (REASON_PEER_GONE, REASON_LOOP_FROZEN, REASON_ENGINE_ERROR, REASON_OVERTAKEN)
 STUCK_REASONS = (REASON_THRESHOLD, *EVIDENCE_REASONS)
 
 # Failure families (section 8), and pdwatch's own beside them (docs/contract.md).
@@ -69,6 +70,15 @@ THRESHOLD_SAMPLES = 1000
 LOOP_FROZEN_INTERVALS = 2
 LOOP_STALL_FACTOR = 3.0
 LOOP_STALL_WINDOW_S = 600.0
+# overtaken (v1.2): at least OVERTAKEN_K later legs with as many prompt tokens passed the leg's stage while it
+# waited longer than max(OVERTAKEN_INTERVALS heartbeats, OVERTAKEN_M x the longest of those passages).
+DEFAULT_OVERTAKEN_K = 5
+DEFAULT_OVERTAKEN_M = 10.0
+OVERTAKEN_INTERVALS = 2
+# pdwatch's: the latest passages the sidecar remembers per engine process and stage, for that rule (K <= it).
+OVERTAKEN_PASSAGES_KEPT = 64
+# pd.schedule_policy's value for an instance that takes legs from its waiting queue in arrival order.
+SCHEDULE_FCFS = "fcfs"
 # pdwatch_stuck_request_info keeps only this many of the oldest stuck legs.
 STUCK_INFO_TOP = 20
 
@@ -99,6 +109,7 @@ R_TP_SIZE = "pd.tp_size"
 R_GPU_UUIDS = "pd.gpu.uuids"
 R_ENGINE_VERSION = "pd.engine.version"
 R_PEER_IDS = "pd.peer_ids"  # v1.1
+R_SCHEDULE_POLICY = "pd.schedule_policy"  # v1.2, optional: fcfs, lpm, priority, ... as the engine names it
 
 # ---- span attributes (section 4) -------------------------------------------------------------
 A_ROLE = "pd.role"
@@ -199,9 +210,11 @@ ENV_EVALUATE_INTERVAL = "PDWATCH_EVALUATE_INTERVAL_S"
 ENV_CAPTURE, ENV_CAPTURE_EVERY = "PDWATCH_CAPTURE", "PDWATCH_CAPTURE_EVERY_S"
 ENV_CAPTURE_TIMEOUT, ENV_CAPTURE_HOSTS = "PDWATCH_CAPTURE_TIMEOUT_S", "PDWATCH_CAPTURE_HOSTS"
 ENV_LOG_LEVEL = "PDWATCH_LOG_LEVEL"
+# The overtaken rule's K and M (contract section 5b, v1.2, gives their defaults, not their variables).
+ENV_OVERTAKEN_K, ENV_OVERTAKEN_M = "PDWATCH_OVERTAKEN_K", "PDWATCH_OVERTAKEN_M"
 SIDECAR_OWN_ENV = (ENV_GPU_MAP, ENV_MAX_OPEN_LEGS, ENV_MAX_CLOSED_LEGS, ENV_MAX_INSTANCES, ENV_INSTANCE_TTL,
                    ENV_MAX_RSS, ENV_EVALUATE_INTERVAL, ENV_CAPTURE, ENV_CAPTURE_EVERY, ENV_CAPTURE_TIMEOUT,
-                   ENV_CAPTURE_HOSTS, ENV_LOG_LEVEL)
+                   ENV_CAPTURE_HOSTS, ENV_LOG_LEVEL, ENV_OVERTAKEN_K, ENV_OVERTAKEN_M)
 # Engine side.
 ENV_HEARTBEAT, ENV_INVENTORY_MAX = "PDWATCH_HEARTBEAT_S", "PDWATCH_INVENTORY_MAX"
 ENV_CLUSTER, ENV_INSTANCE = "PDWATCH_CLUSTER", "PDWATCH_INSTANCE"

@@ -96,6 +96,9 @@ class RecorderConfig:
     # The longest the engine's scheduler loop stands still while idle, if the engine knows it (0: it
     # spins); sent in heartbeats (pdwatch.loop.idle_turn_s). None: unknown, the sidecar learns it.
     loop_idle_turn_s: float | None = None
+    # The order in which the engine takes legs from its waiting queue, as it names it (fcfs, lpm, priority,
+    # ...): pd.schedule_policy (contract v1.2), which the sidecar's overtaken rule reads. None: not said.
+    schedule_policy: str | None = None
     # The engine's KV transfer backend (nixl, mooncake, ...), a property of the process: written on
     # every transfer stage span that did not record one, so hooks need not record it per request.
     transfer_backend: str | None = None

@@ -56,6 +56,8 @@ def resource(cfg: RecorderConfig, instance_id: str, start_ns: int) -> Resource:
         attrs[c.R_GPU_UUIDS] = list(cfg.gpu_uuids)
     if cfg.peer_ids:
         attrs[c.R_PEER_IDS] = list(cfg.peer_ids)
+    if cfg.schedule_policy:
+        attrs[c.R_SCHEDULE_POLICY] = cfg.schedule_policy
     # The SDK's Resource.create adds OTEL_RESOURCE_ATTRIBUTES and its own
     # telemetry.sdk.* defaults, once; the contract's attributes are given last and win.
     merged = SdkResource.create(attrs).attributes

@@ -58,6 +58,9 @@ CONTRAST_FLOWING_MAX = 5000
 
 # (cluster, instance) -> its ranks whose loop froze with legs open
 Frozen = dict[tuple[str, str], list[Incarnation]]
+# One tick's passages, read once per process and stage for the overtaken rule (None: it does not judge there)
+PassedNow = dict[Incarnation, dict[str, rules.Passed | None]]
+_UNREAD = rules.Passed([], [], 0, 0, 0.0)  # a stage whose passages this tick has not read yet
 # The stuck legs' views oldest first, the groups, the thresholds, the views of the legs newly stuck, the stuck legs
 JudgedLegs = tuple[tuple[StuckLeg, ...], dict[tuple[str, str, str, str], Group], dict[tuple[str, str, str], float],
                    list[StuckLeg], list[Leg]]
@@ -81,6 +84,7 @@ class Judge:
         self.flow_window_ns = int(settings.flow_window_s * 1e9)
         self.instance_ttl_ns = int(settings.instance_ttl_s * 1e9)
         self.down_forget_ns = int(settings.down_forget_s * 1e9)
+        self.overtaken_k, self.overtaken_m = settings.overtaken_k, settings.overtaken_m
         # The judge's own tables (verdicts.py): what it concluded, never written into the tracker.
         self.verdicts: dict[tuple[str, str], LegVerdict] = {}
         self.gone_peers = GonePeers()
@@ -247,6 +251,7 @@ class Judge:
         stuck: list[StuckLeg] = []
         fresh: list[StuckLeg] = []
         stuck_legs: list[Leg] = []
+        passed: PassedNow = {}
         for key, leg in t.open.items():
             stage = leg.stage
             v = self._verdict(key, leg)
@@ -276,7 +281,7 @@ class Judge:
             if v is not None and v.stage != stage:
                 v.evidence = None
             if v is None or v.evidence is None:
-                found = self._evidence(leg, stage, now, frozen)
+                found = self._evidence(leg, stage, now, frozen, age, passed)
                 if found is not None:
                     if v is None:
                         v = self.verdicts[key] = LegVerdict(leg, leg.entries)
@@ -320,7 +325,8 @@ class Judge:
         out_groups = {k: Group(v[0], round(v[1], 3), v[2]) for k, v in groups.items()}
         return tuple(stuck), out_groups, thresholds, fresh, stuck_legs
 
-    def _evidence(self, leg: Leg, stage: str, now: int, frozen: Frozen) -> tuple[str, str] | None:
+    def _evidence(self, leg: Leg, stage: str, now: int, frozen: Frozen, age: float,
+                  passed: PassedNow) -> tuple[str, str] | None:
         """(reason, the evidence in words) when the engines' reports prove the leg cannot progress."""
         if leg.error is not None and leg.listed_seq > leg.error_seq:
             return c.REASON_ENGINE_ERROR, f"the engine recorded {leg.error!r} and still lists the leg"
@@ -343,7 +349,52 @@ class Judge:
                     return c.REASON_PEER_GONE, (
                         f"its peer {peer} was {gone.instance}'s process {gone.incarnation[:12]}, which ended "
                         f"{(now - gone.ended_ns) / 1e9:.0f} s ago; the leg is still listed")
-        return None
+        own = leg.inc
+        # overtaken: most legs are turned away at once (young ones, those of unknown size), the rest by what
+        # their process's passages through the stage allow, read once a tick for the first leg that asks.
+        if leg.prompt_tokens is None or own is None or age <= c.OVERTAKEN_INTERVALS * own.interval_s:
+            return None
+        per_stage = passed.get(own)
+        if per_stage is None:
+            per_stage = passed[own] = {}
+        p = per_stage.get(stage, _UNREAD)
+        if p is _UNREAD:
+            p = per_stage[stage] = self._passed(own, stage, leg.role)
+        # The rule's own first tests, here to spare most of the rest a call: K entered after the leg, K as big.
+        if p is None or leg.stage_since_ns >= p.kth_start or leg.prompt_tokens > p.kth_prompt or age <= p.least_rule_s:
+            return None
+        return self._overtaken(leg, own, p, leg.prompt_tokens, stage, age)
+
+    def _overtaken(self, leg: Leg, inc: Incarnation, p: rules.Passed, prompt_tokens: int, stage: str,
+                   age: float) -> tuple[str, str] | None:
+        """Later legs at least as big went through the leg's stage on its instance while it waited (section 5b)."""
+        # In bootstrap only the leg's own peer's legs count: one peer short of KV memory keeps its legs
+        # waiting while another serves.
+        peer = None
+        if stage == "bootstrap":
+            if not leg.peer:
+                return None  # whose legs to count is unknown
+            peer = leg.peer
+        k = self.overtaken_k
+        found = rules.overtaken(p, leg.stage_since_ns, prompt_tokens, peer, age, k=k, m=self.overtaken_m,
+                                interval_s=inc.interval_s)
+        if found is None:
+            return None
+        of_peer = f" of its peer {peer}" if peer is not None else ""
+        return c.REASON_OVERTAKEN, (
+            f"{found.overtakers} {leg.role} legs{of_peer} that entered {stage} on {leg.pd_instance} after it, with at "
+            f"least its {prompt_tokens} prompt tokens, went through while it waited {age:.1f} s, past "
+            f"max({c.OVERTAKEN_INTERVALS} heartbeats, {self.overtaken_m:g} x {found.longest_s:.3g} s, the longest of "
+            f"the {k} quickest) = {found.rule_s:.1f} s")
+
+    def _passed(self, inc: Incarnation, stage: str, role: str) -> rules.Passed | None:
+        """The process's passages through the stage as the rule reads them; None where it does not judge."""
+        kept = inc.passages.get(stage)
+        if kept is None or len(kept) < self.overtaken_k or not rules.overtaken_applies(stage, inc.schedule_policy):
+            return None
+        t = self.tracker
+        return rules.passed(kept, lambda tid: t.open.get((tid, role)) or t.closed.get((tid, role)),
+                            k=self.overtaken_k, m=self.overtaken_m, interval_s=inc.interval_s)
 
     @staticmethod
     def _stuck_view(leg: Leg, stage: str, age: float, thr: float, reason: str, why: str,

@@ -10,6 +10,7 @@ from __future__ import annotations
 from array import array
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from pdwatch import contract as c
 
@@ -28,6 +29,21 @@ MAX_STALLS = 512
 IDLE_TURNS_TO_TRUST = 3
 # Loop stalls older than this count for no rule.
 LOOP_STALL_WINDOW_NS = int(c.LOOP_STALL_WINDOW_S * 1e9)
+
+
+# Stages whose passages the tracker remembers for the overtaken rule (contract section 5b, v1.2): every
+# stage a leg waits in; in decode a leg produces, and a long generation is never overtaken.
+PASSAGE_STAGES = frozenset(("bootstrap", "queued", "prefill", "transfer"))
+
+
+class Passage(NamedTuple):
+    """One leg's way through a stage, as its finished stage span said (engine clock)."""
+
+    start_ns: int
+    end_ns: int
+    # The leg's trace id: its prompt tokens and peer are read from the leg when needed (a stage span
+    # carries neither; the leg's inventory entries and its leg span do, often later).
+    trace_id: str
 
 
 @dataclass(slots=True, eq=False)
@@ -84,6 +100,11 @@ class Incarnation(Process):
     keys: set[tuple[str, str]] = field(default_factory=set)  # open legs this process listed or reported
     # Sidecar time of its final heartbeat (v1.2): it left in order; 0 while it has sent none (or spoke since).
     final_ns: int = 0
+    # pd.schedule_policy (v1.2): the order it takes legs from its waiting queue; "" when it does not say.
+    schedule_policy: str = ""
+    # stage -> its latest passages, oldest first: the newest OVERTAKEN_PASSAGES_KEPT are all the overtaken
+    # rule needs (those that overtook a leg still waiting are the latest to have left).
+    passages: dict[str, deque[Passage]] = field(default_factory=dict)
 
     def offset_ns(self) -> int:
         """Sidecar clock minus engine clock, when they differ by more than export latency."""
@@ -163,6 +184,13 @@ def record_stage(leg: Leg, stage: str, start_ns: int, end_ns: int, error: str | 
         if leg.errors is None:
             leg.errors = {}
         leg.errors[n] = error
+
+
+def record_passage(inc: Incarnation, stage: str, start_ns: int, end_ns: int, trace_id: str) -> None:
+    kept = inc.passages.get(stage)
+    if kept is None:
+        kept = inc.passages[stage] = deque(maxlen=c.OVERTAKEN_PASSAGES_KEPT)
+    kept.append(Passage(start_ns, end_ns, trace_id))
 
 
 def stage_history(leg: Leg) -> list[tuple[str, int, int, str | None]]:

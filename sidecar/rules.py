@@ -9,11 +9,13 @@ changes what it reads.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from bisect import bisect_right
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 from pdwatch import contract as c
 
-from .model import LOOP_STALL_WINDOW_NS, Incarnation, Instance, Leg
+from .model import LOOP_STALL_WINDOW_NS, Incarnation, Instance, Leg, Passage
 
 
 def rank_up(inc: Incarnation, now: int) -> bool:
@@ -155,3 +157,69 @@ def finished_ok_since(inst: Instance, since_ns: int) -> int:
             break
         old += 1
     return len(times) - old
+
+
+# ---- overtaken (contract section 5b, v1.2) -----------------------------------------------------------
+
+_ALWAYS_OVERTAKEN = frozenset(("transfer", "bootstrap"))
+_FCFS_OVERTAKEN = frozenset(("queued", "prefill"))
+
+
+def overtaken_applies(stage: str, schedule_policy: str) -> bool:
+    """The stages the rule judges: transfer; bootstrap (with overtakers of the leg's own peer only);
+    queued and prefill only on an instance that declares it takes its queue first come, first served."""
+    return stage in _ALWAYS_OVERTAKEN or (stage in _FCFS_OVERTAKEN and schedule_policy == c.SCHEDULE_FCFS)
+
+
+class Passed(NamedTuple):
+    """One process's latest passages through one stage, as of one tick, in order of entry; each with
+    the prompt tokens (-1: unknown) and peer ("": unknown) its leg is known by. What the rule needs of
+    them to turn most legs away at once rides along: fewer than K entered after `kth_start`, fewer than
+    K are bigger than `kth_prompt`, and no K of them make a rule shorter than `least_rule_s`."""
+
+    starts: list[int]  # engine clock, ascending
+    ways: list[tuple[int, int, str]]  # (duration ns, prompt tokens, peer), parallel to starts
+    kth_start: int
+    kth_prompt: int
+    least_rule_s: float
+
+
+def passed(passages: Iterable[Passage], leg_of: Callable[[str], Leg | None], *, k: int, m: float,
+           interval_s: float) -> Passed | None:
+    """The passages as the rule reads them, or None when fewer than k: nothing can be overtaken by k."""
+    rows = []
+    for p in passages:
+        leg = leg_of(p.trace_id)
+        tokens = leg.prompt_tokens if leg is not None and leg.prompt_tokens is not None else -1
+        rows.append((p.start_ns, p.end_ns - p.start_ns, tokens, (leg.peer or "") if leg is not None else ""))
+    if len(rows) < k:
+        return None
+    rows.sort()
+    kth_shortest = sorted(r[1] for r in rows)[k - 1]
+    return Passed([r[0] for r in rows], [r[1:] for r in rows], rows[-k][0], sorted(r[2] for r in rows)[-k],
+                  max(c.OVERTAKEN_INTERVALS * interval_s, m * kth_shortest / 1e9))
+
+
+class Overtaking(NamedTuple):
+    overtakers: int  # later legs, at least as big (and of its peer, in bootstrap), that passed the stage
+    longest_s: float  # the longest of the k quickest of them
+    rule_s: float  # max(2 heartbeat intervals, M x longest_s): how long the leg may wait
+
+
+def overtaken(p: Passed, since_ns: int, prompt_tokens: int, peer: str | None, waited_s: float, *, k: int,
+              m: float, interval_s: float) -> Overtaking | None:
+    """Contract section 5b's overtaken: at least k legs entered the stage after the leg (`since_ns`, the
+    same engine clock), carried at least its prompt tokens (and, given a peer, talked to that peer), and
+    have left the stage, while the leg waited longer than max(2 heartbeat intervals, m x the longest of
+    k of those passages). The k quickest are the ones taken: any k that overtook it prove the stage
+    served others. A queue that drains in order has nobody who entered after a waiting leg leave before
+    it; a long prompt passed by short ones is passed by none as big."""
+    if since_ns >= p.kth_start or prompt_tokens > p.kth_prompt or waited_s <= p.least_rule_s:
+        return None
+    ways = sorted(d for d, tokens, by in p.ways[bisect_right(p.starts, since_ns):]
+                  if tokens >= prompt_tokens and (peer is None or by == peer))
+    if len(ways) < k:
+        return None
+    longest_s = ways[k - 1] / 1e9
+    rule_s = max(c.OVERTAKEN_INTERVALS * interval_s, m * longest_s)
+    return Overtaking(len(ways), longest_s, rule_s) if waited_s > rule_s else None

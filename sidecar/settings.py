@@ -58,6 +58,14 @@ class Settings(BaseSettings):
                                  allow_inf_nan=False, description=(
         "a down instance (silent without a final heartbeat) is forgotten after this long, its open legs "
         "ending lost (a killed pod rescheduled elsewhere reports to another sidecar)"))
+    overtaken_k: int = Field(c.DEFAULT_OVERTAKEN_K, validation_alias=c.ENV_OVERTAKEN_K, ge=1,
+                             le=c.OVERTAKEN_PASSAGES_KEPT, description=(
+        "overtaken evidence (contract section 5b): how many later legs of its instance, with at least its prompt "
+        "tokens, must have gone through a leg's stage while it waited"))
+    overtaken_m: float = Field(c.DEFAULT_OVERTAKEN_M, validation_alias=c.ENV_OVERTAKEN_M, gt=0, allow_inf_nan=False,
+                               description=(
+        "overtaken evidence: the leg is stuck once it waited longer than max(2 heartbeat intervals, this many "
+        "times the longest of those passages)"))
     instance_ttl_s: float = Field(3600.0, validation_alias=c.ENV_INSTANCE_TTL, gt=0, allow_inf_nan=False, description=(
         "an instance none of whose ranks sent anything for this long is forgotten with its open legs, counted"))
     max_rss_bytes: int = Field(4 << 30, validation_alias=c.ENV_MAX_RSS, ge=0, description=(

@@ -43,6 +43,7 @@ _STAGES_OF = {role: frozenset(stages) for role, stages in c.STAGES.items()}
 MAX_RANKS = 1024
 MAX_PEER_IDS = 64
 MAX_TEXT = 256  # peers, errors: enough to read, bounded in memory
+MAX_POLICY = 64  # a schedule policy's name
 ZERO16, ZERO8 = bytes(16), bytes(8)
 _STATUS_ERROR = Status.STATUS_CODE_ERROR
 
@@ -64,6 +65,7 @@ class Source(Process):
     incarnation: str  # service.instance.id
     tp_rank: int
     peer_ids: tuple[str, ...] = ()
+    schedule_policy: str = ""  # v1.2: pd.schedule_policy, "" when the engine does not say
 
 
 # One finished stage: (trace id, span id, parent span id, stage, start ns, end ns, error, span), the error
@@ -267,6 +269,7 @@ def read_source(attrs: dict[str, Any]) -> Source:
         service=_str(attrs, c.R_SERVICE_NAME, required=False),
         version=_str(attrs, c.R_ENGINE_VERSION, required=False),
         peer_ids=_strings(attrs, c.R_PEER_IDS, MAX_PEER_IDS),
+        schedule_policy=_str(attrs, c.R_SCHEDULE_POLICY, required=False)[:MAX_POLICY],
     )
 
 

@@ -22,11 +22,13 @@ from .durations import StageDurations
 from .model import (
     IDLE_TURNS_TO_TRUST,
     LOOP_STALL_WINDOW_NS,
+    PASSAGE_STAGES,
     Cluster,
     Incarnation,
     Instance,
     Leg,
     Retirement,
+    record_passage,
     record_stage,
 )
 from .samples import StageSamples
@@ -193,7 +195,7 @@ class Tracker:
         new = Incarnation(
             id=src.incarnation, rank=src.tp_rank, tp_size=src.tp_size, start_ns=src.start_ns, pid=src.pid,
             host=src.host, gpu_uuids=src.gpu_uuids, service=src.service, version=src.version,
-            first_seen_ns=now, last_seen_ns=now, peer_ids=src.peer_ids,
+            first_seen_ns=now, last_seen_ns=now, peer_ids=src.peer_ids, schedule_policy=src.schedule_policy,
         )
         inst.ranks[src.tp_rank] = new
         return new
@@ -331,6 +333,8 @@ class Tracker:
                 leg.span_id = parent.hex()
             here, following = steps[stage]
             record_stage(leg, stage, start, end, error)
+            if error is None and stage in PASSAGE_STAGES:  # the facts the overtaken rule reads
+                record_passage(inc, stage, start, end, trace_id)
             if leg.end_ns is not None:
                 continue  # closed already: history only
             # The end of one stage is the start of the next: move an open leg on

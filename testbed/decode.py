@@ -114,8 +114,9 @@ class DecodeEngine:
         self.api = LineServer(args.api_port, self._on_api)
         self.endpoint = f"127.0.0.1:{self.api.port}"
         self.prefill_address = f"127.0.0.1:{args.prefill_bootstrap_port}"
+        # Its waiting queue is a deque taken from the front (_waiting_queue): fcfs.
         self.rec = pdrec.from_env("decode", service_name=args.service_name, engine_version="testbed",
-                                  loop_idle_turn_s=IDLE_TURN_S,
+                                  loop_idle_turn_s=IDLE_TURN_S, schedule_policy=c.SCHEDULE_FCFS,
                                   tp_size=args.tp_size, gpu_uuids=tuple(args.gpu_uuid or ()),
                                   peer_ids=(self.agent_name, self.endpoint))
         self.status = StatusWriter(args.status_file)

@@ -225,8 +225,9 @@ class PrefillEngine:
         self.bootstrap_server = LineServer(args.bootstrap_port, self._on_bootstrap)
         # Decodes know this process by its bootstrap address; nobody else by its agent, but it is its KV name.
         peers = (self.agent_name, f"127.0.0.1:{self.bootstrap_server.port}")
+        # Its waiting queue is a deque taken from the front, head of line first (_forward): fcfs.
         self.rec = pdrec.from_env("prefill", service_name=args.service_name, engine_version="testbed",
-                                  loop_idle_turn_s=IDLE_TURN_S,
+                                  loop_idle_turn_s=IDLE_TURN_S, schedule_policy=c.SCHEDULE_FCFS,
                                   gpu_uuids=tuple(args.gpu_uuid or ()), peer_ids=peers)
         self.status = StatusWriter(args.status_file)
         self.agent = kv.make_agent(self.agent_name)

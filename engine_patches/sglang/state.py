@@ -77,6 +77,7 @@ class PluginState:
             peer_ids=peer_ids(scheduler, role),
             server_address=_server_address(),
             loop_idle_turn_s=idle_turn_s(scheduler),
+            schedule_policy=schedule_policy(scheduler),
             gauges=lambda: kv_gauges(scheduler),
         )
         rec = (recorder_factory or from_env)(role, **overrides)
@@ -223,6 +224,21 @@ def kv_gauges(scheduler: Any) -> dict[str, float]:
 def idle_turn_s(scheduler: Any) -> float:
     """The longest the scheduler loop stands still while idle: it spins, or the idle sleeper's poll."""
     return IDLE_SLEEPER_POLL_S if getattr(scheduler, "idle_sleeper", None) is not None else 0.0
+
+
+def schedule_policy(scheduler: Any) -> str | None:
+    """pd.schedule_policy: the order the scheduler really takes its waiting queue in. SGLang's own
+    (`--schedule-policy`) as its SchedulePolicy settled it (lpm without a radix cache runs fcfs), or
+    `priority` when --enable-priority-scheduling sorts the queue by priority first; None when unreadable."""
+    try:
+        if getattr(scheduler, "enable_priority_scheduling", False):
+            return "priority"
+        policy = getattr(getattr(scheduler, "policy", None), "policy", None)  # built before init_disaggregation
+        value = getattr(policy, "value", None) or getattr(scheduler, "schedule_policy", None)
+        return str(value) if value else None
+    except Exception:
+        log.debug("pdwatch: schedule policy unreadable", exc_info=True)
+        return None
 
 
 def _server_address() -> str | None:

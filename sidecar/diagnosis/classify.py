@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pdwatch import contract as c
+
 from .facts import REPORT_AT, ClusterFacts, Finding, GpuFacts, InstanceFacts
 
 BUSY_UTILIZATION = 0.90  # a collective spinning on the GPU
@@ -178,6 +180,15 @@ def _peer_gone_sentence(f: ClusterFacts, evidence: list[str], *stages: str) -> f
     return 0.1
 
 
+def _overtaken_sentence(f: ClusterFacts, evidence: list[str], *stages: str) -> float:
+    n = f.on_evidence(c.REASON_OVERTAKEN, *stages)
+    if not n:
+        return 0.0
+    evidence.append(f"{n} of them were overtaken ({c.REASON_OVERTAKEN}): later legs at least as big went through "
+                    "the same stage on the same instance many times faster, so the path works for others")
+    return 0.1
+
+
 def transfer_wedge(f: ClusterFacts) -> Finding | None:
     n = f.stuck_in("transfer")
     if not n or not f.flowing:
@@ -202,6 +213,7 @@ def transfer_wedge(f: ClusterFacts) -> Finding | None:
     elif reading is None:
         evidence.append(f"{names}: no GPU telemetry, so a collective hang is not ruled out by power and utilization")
     confidence += _peer_gone_sentence(f, evidence, "transfer")
+    confidence += _overtaken_sentence(f, evidence, "transfer")
     confidence -= _explained_by_silence(f, evidence, "transfer")
     confidence -= _explained_by_frozen(f, evidence, "transfer")
     return Finding("transfer_wedge", min(confidence, 0.95), evidence, ACTIONS["transfer_wedge"])

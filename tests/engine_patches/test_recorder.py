@@ -232,6 +232,18 @@ def test_resource_carries_the_contract_attributes():
     rec.shutdown()
 
 
+def test_resource_declares_the_schedule_policy_only_when_the_engine_says_it():
+    said, exp, _ = make("prefill", schedule_policy="fcfs")
+    silent, exp_silent, _ = make("prefill")
+    for rec in (said, silent):
+        rec.heartbeat()
+        rec.flush()
+    assert exp.get_finished_spans()[0].resource.attributes["pd.schedule_policy"] == "fcfs"
+    assert "pd.schedule_policy" not in exp_silent.get_finished_spans()[0].resource.attributes
+    for rec in (said, silent):
+        rec.shutdown()
+
+
 def test_an_error_that_does_not_end_a_leg_is_listed_until_the_leg_ends():
     rec, exp, clock = make("prefill")
     for rid in ("p-1", "p-2"):

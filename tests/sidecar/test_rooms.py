@@ -76,3 +76,25 @@ def test_ticks_change_no_fact_of_the_tracker(tracker, engines, clock):
     p.rec.finish("p-3")
     p.send(tracker)  # ingest does move them
     assert facts(tracker) != before
+
+
+def test_ticks_that_find_a_leg_overtaken_change_no_fact(tracker, engines, clock):
+    """The overtaken rule reads the passages the tracker keeps and the legs it looks them up by."""
+    p = engines("prefill", "prefill-0", schedule_policy="fcfs")
+    p.walk("p-1", 1, PREFILL, prompt_tokens=100)  # waits in transfer
+    p.walk("p-2", 2, PREFILL[:2], prompt_tokens=100)  # waits in queued
+    clock.advance(0.1)
+    for room in range(10, 16):  # later and as big: they pass both
+        p.walk(f"x-{room}", room, PREFILL, prompt_tokens=100)
+        p.rec.finish(f"x-{room}")
+    for _ in range(3):
+        beat(tracker, clock, p)
+        evaluate(tracker)
+    assert {s.rid: s.reason for s in evaluate(tracker).stuck} == {"p-1": c.REASON_OVERTAKEN,
+                                                                  "p-2": c.REASON_OVERTAKEN}
+    before = facts(tracker)
+    assert any(inc.passages for inst in tracker.instances.values() for inc in inst.ranks.values())
+    for _ in range(5):
+        clock.advance(0.5)
+        evaluate(tracker)
+        assert facts(tracker) == before

@@ -491,6 +491,26 @@ def test_recorder_from_the_environment_carries_sglang_identity(sglang_plugin, mo
         state.reset()
 
 
+def test_the_schedule_policy_is_the_one_sglang_settled_on(sglang_plugin):
+    """pd.schedule_policy from SGLang's own SchedulePolicy, which runs lpm as fcfs without a radix cache."""
+    from sglang.srt.managers.schedule_policy import CacheAgnosticPolicy, CacheAwarePolicy
+    from sglang.srt.managers.scheduler import Scheduler
+
+    from pdwatch.engine_patches.sglang.state import schedule_policy
+
+    def scheduler(asked, settled, priority=False):
+        sched = object.__new__(Scheduler)
+        sched.schedule_policy, sched.enable_priority_scheduling = asked, priority
+        sched.policy = SimpleNamespace(policy=settled)
+        return sched
+
+    assert schedule_policy(scheduler("fcfs", CacheAgnosticPolicy.FCFS)) == "fcfs"
+    assert schedule_policy(scheduler("lpm", CacheAwarePolicy.LPM)) == "lpm"
+    assert schedule_policy(scheduler("lpm", CacheAgnosticPolicy.FCFS)) == "fcfs"  # no radix cache: it runs fcfs
+    assert schedule_policy(scheduler("fcfs", CacheAgnosticPolicy.FCFS, priority=True)) == "priority"
+    assert schedule_policy(object.__new__(Scheduler)) is None  # nothing to read: nothing said
+
+
 def test_decode_retraction_and_rebootstrap_keep_the_leg(sglang_plugin):
     r = Recording("decode")
     pre, _ = decode_queues([])
