@@ -118,8 +118,9 @@ def test_fault_gets_its_family(sidecar, name):
             final["contrast"]
         assert ("involves", "decode-0", None) in contrast, final["contrast"]
     if name in ("freeze-decode", "kv-starvation"):
-        # A fault of one decode instance: its legs, or the legs that talk to it.
-        assert {a for a in contrast if a[1] == "decode-0" and a[0] in ("pd_instance", "involves")}, \
+        # A fault of one decode instance: its legs, or the legs that talk to it (a frozen decode is down,
+        # and its own legs are no longer judged: the prefill legs writing to it are the stuck ones).
+        assert {a for a in contrast if a[1] == "decode-0" and a[0] in ("pd_instance", "involves", "peer")}, \
             final["contrast"]
     if name == "tp-desync-idle":
         # It hung holding no request, and no leg of decode-0 opened since: none is stuck on evidence.
