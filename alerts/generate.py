@@ -162,6 +162,22 @@ NO_SPANS = (f"sum by ({_BY_TARGET}) (rate({c.SPANS_RECEIVED.series}[5m])) == 0\n
             f'({c.INSTANCE_STATE.series}{{{c.L_STATE}!="{c.STATE_DEPARTED}"}}) == 0')
 
 
+def _silent_alert(held: str, severity: str, summary: str, what: str) -> Alert:
+    """PDEngineSilent for the down instances whose legs held at silence compare as `held`."""
+    return Alert(
+        name=c.ALERT_ENGINE_SILENT,
+        expr=_silent(held),
+        for_="1m",
+        severity=severity,
+        summary=summary,
+        description=(
+            f"No heartbeat from {_show(ROLE)} instance {_show(INSTANCE)} (cluster {_show(CLUSTER)}) for "
+            + _scalar(*_in("max({})", _sel(c.HEARTBEAT_AGE, CLUSTER, INSTANCE)))
+            + " and no final heartbeat" + what
+        ),
+    )
+
+
 def _family(name: str, family: str, severity: str, summary: str, description: str) -> Alert:
     return Alert(
         name=name,
@@ -272,34 +288,12 @@ GROUPS = (
     Group("pdwatch.health", "15s", (
         # Contract section 9 (v1.2): critical only for a down instance that held legs (clients wait on
         # them), warning for one that held none, nothing for one that left in order (departed).
-        Alert(
-            name=c.ALERT_ENGINE_SILENT,
-            expr=_silent("> 0"),
-            for_="1m",
-            severity="critical",
-            summary="A PD engine instance stopped sending heartbeats while it held requests.",
-            description=(
-                f"No heartbeat from {_show(ROLE)} instance {_show(INSTANCE)} (cluster "
-                f"{_show(CLUSTER)}) for "
-                + _scalar(*_in("max({})", _sel(c.HEARTBEAT_AGE, CLUSTER, INSTANCE)))
-                + " and no final heartbeat: its process is dead or frozen. Legs it held when it went silent: "
-                "{{ $value }}; their clients wait."
-            ),
-        ),
-        Alert(
-            name=c.ALERT_ENGINE_SILENT,
-            expr=_silent("== 0"),
-            for_="1m",
-            severity="warning",
-            summary="A PD engine instance stopped sending heartbeats; it held no request.",
-            description=(
-                f"No heartbeat from {_show(ROLE)} instance {_show(INSTANCE)} (cluster "
-                f"{_show(CLUSTER)}) for "
-                + _scalar(*_in("max({})", _sel(c.HEARTBEAT_AGE, CLUSTER, INSTANCE)))
-                + " and no final heartbeat, holding no request: killed, or frozen while idle. The sidecar "
-                f"forgets it after {c.DEFAULT_DOWN_FORGET_S:.0f} s ({c.ENV_DOWN_FORGET})."
-            ),
-        ),
+        _silent_alert("> 0", "critical", "A PD engine instance stopped sending heartbeats while it held requests.",
+                      ": its process is dead or frozen. Legs it held when it went silent: {{ $value }}; their "
+                      "clients wait."),
+        _silent_alert("== 0", "warning", "A PD engine instance stopped sending heartbeats; it held no request.",
+                      ", holding no request: killed, or frozen while idle. The sidecar forgets it after "
+                      f"{c.DEFAULT_DOWN_FORGET_S:.0f} s ({c.ENV_DOWN_FORGET})."),
         Alert(
             name=c.ALERT_TELEMETRY_MISSING,
             expr=f"absent({c.SPANS_RECEIVED.series})",

@@ -18,6 +18,7 @@ from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict, SettingsError
 
 from pdwatch import contract as c
+from pdwatch.sidecar.settings import field_of, variable_of
 
 
 def _url(value: str | None) -> str | None:
@@ -110,19 +111,11 @@ def flag(field: str) -> str:
 
 
 def env_name(field: str) -> str:
-    """The variable a setting is read from: the contract's name for it."""
-    alias = ClientSettings.model_fields[field].validation_alias
-    assert isinstance(alias, str), f"setting {field} names no variable"
-    return alias
-
-
-def _field_of(loc: str) -> str:
-    """An error's location is the variable's name when the value came from it."""
-    return next((name for name in ClientSettings.model_fields if env_name(name) == loc), loc)
+    return variable_of(ClientSettings, field)
 
 
 def _explain(error: Any, given: Mapping[str, Any]) -> str:
-    field = _field_of(str(error["loc"][0])) if error.get("loc") else ""
+    field = field_of(ClientSettings, str(error["loc"][0])) if error.get("loc") else ""
     source = flag(field) if field in given else env_name(field)
     message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
     if field in SECRET:

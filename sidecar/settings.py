@@ -107,20 +107,25 @@ class Settings(BaseSettings):
             raise ValueError("; ".join(_explain(error, given) for error in exc.errors())) from None
 
 
-def env_name(field: str) -> str:
-    """The variable a setting is read from: the contract's name for it."""
-    alias = Settings.model_fields[field].validation_alias
+def variable_of(model: type[BaseSettings], field: str) -> str:
+    """The variable a field of a settings model is read from: the contract's name for it."""
+    alias = model.model_fields[field].validation_alias
     assert isinstance(alias, str), f"setting {field} names no variable"
     return alias
 
 
-def _field_of(loc: str) -> str:
-    """An error's location is the variable's name when the value came from it."""
-    return next((name for name in Settings.model_fields if env_name(name) == loc), loc)
+def field_of(model: type[BaseSettings], loc: str) -> str:
+    """The field a validation error is about: its location is the variable's name when the value came
+    from the environment."""
+    return next((name for name in model.model_fields if variable_of(model, name) == loc), loc)
+
+
+def env_name(field: str) -> str:
+    return variable_of(Settings, field)
 
 
 def _explain(error: Any, flags: Mapping[str, Any]) -> str:
-    field = _field_of(str(error["loc"][0])) if error.get("loc") else ""
+    field = field_of(Settings, str(error["loc"][0])) if error.get("loc") else ""
     source = f"--{field.replace('_', '-')}" if field in flags else env_name(field)
     value = error.get("input")
     message = str(error.get("msg", "invalid"))

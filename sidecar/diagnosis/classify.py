@@ -223,6 +223,17 @@ def _serving_others(i: InstanceFacts) -> bool:
     return i.finished_ok_recent > 0
 
 
+def _behind_a_transfer_wedge(i: InstanceFacts, evidence: list[str]) -> bool:
+    """Whether the instance also holds legs stuck in transfer, said in the evidence: seen on live SGLang,
+    a decode whose transfers never end keeps their KV memory, and new requests queue behind them; the
+    wedge is the cause to act on, and the starvation ranks below it."""
+    if not i.stuck.get("transfer"):
+        return False
+    evidence.append(f"{i.role} {i.pd_instance} also holds {i.stuck['transfer']} leg(s) stuck in transfer, whose "
+                    "KV memory never comes back: starvation downstream of a transfer wedge (transfer_wedge)")
+    return True
+
+
 def queue_starvation(f: ClusterFacts) -> Finding | None:
     evidence = []
     confidence = 0.75
@@ -232,12 +243,7 @@ def queue_starvation(f: ClusterFacts) -> Finding | None:
             where = "queued" if i.stuck.get("queued") else "bootstrap, waiting for KV memory"
             evidence.append(f"{i.role} {i.pd_instance}: {waiting} leg(s) stuck in {where} while it finished "
                             f"{i.finished_ok_recent} other leg(s) ok in the last {f.flow_window_s:.0f} s")
-            if i.stuck.get("transfer"):
-                # Seen on live SGLang: a decode whose transfers never end keeps their KV memory,
-                # and new requests queue behind them; the wedge is the cause to act on.
-                evidence.append(f"{i.role} {i.pd_instance} also holds {i.stuck['transfer']} leg(s) stuck in "
-                                "transfer, whose KV memory never comes back: starvation downstream of a "
-                                "transfer wedge (transfer_wedge)")
+            if _behind_a_transfer_wedge(i, evidence):
                 confidence = 0.55
     if not evidence:
         return None
@@ -262,11 +268,7 @@ def kv_starvation(f: ClusterFacts) -> Finding | None:
         evidence.append(f"decode {i.pd_instance}: {waiting} leg(s) stuck in bootstrap, waiting for KV memory, while "
                         f"its KV pool is {_pct(i.kv_used)} full and it finished {i.finished_ok_recent} other leg(s) "
                         f"ok in the last {f.flow_window_s:.0f} s")
-        if i.stuck.get("transfer"):
-            # Its transfers that never end hold KV memory that never comes back: the wedge is the cause.
-            evidence.append(f"decode {i.pd_instance} also holds {i.stuck['transfer']} leg(s) stuck in transfer, "
-                            "whose KV memory never comes back: starvation downstream of a transfer wedge "
-                            "(transfer_wedge)")
+        if _behind_a_transfer_wedge(i, evidence):
             confidence = 0.55
     if not evidence:
         return None
