@@ -271,7 +271,7 @@ def test_the_inventory_lists_an_open_decode_leg_with_its_tokens(healthy):
 def test_probes_have_their_own_traces_and_never_count_as_flow(healthy):
     run, _extra, world = healthy
     for name in ("prefill-0", "decode-0", "decode-1"):
-        probes = samples(run.metrics, "pdwatch_probe_requests_finished_total", cluster=run.cluster, pd_instance=name)
+        probes = samples(run.metrics, "pdwatch_probe_requests_finished_total", pd_cluster=run.cluster, pd_instance=name)
         assert sum(probes) >= 1, f"{name}: SGLang's warm-up probe was not seen"
     probe_spans = [s for s in world.receiver.named(c.SPAN_LEG)
                    if s.resource.get(c.R_CLUSTER) == run.cluster and s.attrs.get(c.A_PROBE) is True]
@@ -281,7 +281,7 @@ def test_probes_have_their_own_traces_and_never_count_as_flow(healthy):
     assert room0 not in {s.trace_id for s in probe_spans}
     assert world.sidecar.client.get(f"/api/v1/requests/{room0}").status_code == 404
     # Counted apart: requests_finished holds the client's requests only.
-    ok_prefill = sum(samples(run.metrics, "pdwatch_requests_finished_total", cluster=run.cluster, role="prefill",
+    ok_prefill = sum(samples(run.metrics, "pdwatch_requests_finished_total", pd_cluster=run.cluster, role="prefill",
                              outcome="ok"))
     client_ok = sum(1 for r in run.truth.requests if r.outcome == "ok")
     assert ok_prefill == client_ok + 3 + 1  # + the side requests, + the stack's readiness request
@@ -349,7 +349,7 @@ def test_decode_restart_shows_the_restart_and_the_new_agent(decode_restart):
     restart = run.event("restart")
     assert restart is not None, run.events
     assert restart["old_agent"] and restart["new_agent"] and restart["old_agent"] != restart["new_agent"]
-    assert samples(run.metrics, "pdwatch_instance_restarts_total", cluster=run.cluster,
+    assert samples(run.metrics, "pdwatch_instance_restarts_total", pd_cluster=run.cluster,
                    pd_instance="decode-0") == [1.0]
     assert instances(run)["decode-0"]["up"]
     engine = instances(run)["prefill-0"]["ranks"][0]["engine"]
