@@ -64,7 +64,9 @@ def test_the_page_shows_the_stuck_legs_their_waterfall_and_the_gpus_around_the_r
     # A click opens the two-leg waterfall: finished stages, and the open transfer, stuck, past its threshold.
     # (The oldest is the prefill leg of the request decode-0 held at its kill: its decode leg ended lost,
     # so take the oldest request that hangs on both legs, one routed to the new decode-0.)
-    target = next(s for s in stuck if s["reason"] == "threshold" and s["role"] == "prefill")
+    # A request that hangs on both legs after the restart: its prefill leg is overtaken by the legs the
+    # prefill keeps sending to decode-1 (or past its threshold), its decode leg past its threshold.
+    target = next(s for s in stuck if s["role"] == "prefill" and s["reason"] in ("threshold", "overtaken"))
     rows[stuck.index(target)].click()
     selector = f'.waterfall[data-trace-id="{target["trace_id"]}"]'
     WebDriverWait(page, 10).until(lambda d: d.find_elements(By.CSS_SELECTOR, f"{selector} .wf-bar"))
