@@ -232,24 +232,31 @@ class Recorder:
             attrs[c.H_LOOP_IDLE_TURN] = float(cfg.loop_idle_turn_s)
         for name, value in self._engine_counters.items():
             attrs[c.H_ENGINE_PREFIX + name] = value
-        if cfg.gauges is not None:
-            try:  # the engine's code, on this thread: its failure costs a heartbeat field, never the heartbeat
-                attrs.update((name, float(value)) for name, value in cfg.gauges().items())
-            except Exception:
-                self.worker_errors += 1
-                log.debug("pdwatch could not read the engine's gauges", exc_info=True)
         if cfg.owns_requests:
             attrs.update(legs.inventory(cfg.inventory_max))
         return attrs
+
+    def _gauges(self) -> dict[str, float]:
+        """The engine's own numbers for this heartbeat; a failure costs their fields, never the heartbeat."""
+        if self.config.gauges is None:
+            return {}
+        try:
+            return {name: float(value) for name, value in self.config.gauges().items()}
+        except Exception:
+            self.worker_errors += 1
+            log.debug("pdwatch could not read the engine's gauges", exc_info=True)
+            return {}
 
     def heartbeat(self, final: bool = False) -> None:
         """One heartbeat; `final` marks the process's last (contract v1.2): it leaves in order, and what
         its inventory still lists will never finish."""
         self.heartbeat_seq += 1
+        gauges = self._gauges()  # the engine's code: outside the lock the engine's hooks take
         with self._lock:
             span = self.export.slot()
             if span is not None:
                 attrs = self.heartbeat_attributes()
+                attrs.update(gauges)
                 if final:
                     attrs[c.H_FINAL] = True
                 otlp.fill_heartbeat(span, attrs, self._clock())

@@ -77,7 +77,9 @@ class PluginState:
             peer_ids=peer_ids(scheduler, role),
             server_address=_server_address(),
             loop_idle_turn_s=idle_turn_s(scheduler),
-            schedule_policy=schedule_policy(scheduler),
+            # The policy orders a prefill's waiting queue; a PD decode's `queued` legs wait for KV memory and
+            # a batch slot, admitted as memory frees, not in the policy's order: it declares none.
+            schedule_policy=schedule_policy(scheduler) if role != "decode" else None,
             gauges=lambda: kv_gauges(scheduler),
         )
         rec = (recorder_factory or from_env)(role, **overrides)
