@@ -21,7 +21,7 @@ DASHBOARDS = sorted((ROOT / "dashboards" / "generated").glob("*.json"))
 
 def needs_promtool() -> None:
     if shutil.which("promtool") is None:
-        pytest.skip("promtool is installed by `make test` (mk/debian.mk)")
+        pytest.fail("promtool is missing: `make test` installs it (mk/debian.mk)")
 
 
 def test_generated_manifests_are_current():

@@ -36,7 +36,7 @@ def live_world():
     """A sidecar, its trace store stand-in, and Prometheus + Alertmanager, for every live module."""
     reason = _missing()
     if reason:
-        pytest.skip(reason)
+        pytest.fail(reason)
     from pdwatch.testbed.monitoring import Monitoring
 
     env = {f"PDWATCH_FLOOR_{stage.upper()}_S": str(s) for stage, s in FLOORS_S.items()}

@@ -41,7 +41,7 @@ OBJECT_MODULES = (
 def sglang_root() -> Path:
     spec = importlib.util.find_spec("sglang")  # locates the package without importing it
     if spec is None or spec.origin is None:
-        pytest.skip("sglang is not installed (make test installs it: the sglang extra, in requirements.lock)")
+        pytest.fail("sglang is not installed (make test installs it: the sglang extra, in requirements.lock)")
     return Path(spec.origin).parent.parent
 
 
