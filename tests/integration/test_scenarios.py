@@ -27,10 +27,13 @@ from pdwatch.testbed.diagnosis_run import FLOORS_S, FLOW_WINDOW_S, HEARTBEAT_S, 
 from pdwatch.testbed.gpu_emulation import STUB_LIBRARY, GpuEmulator
 from pdwatch.testbed.sidecar_process import SidecarProcess
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.skipif(not STUB_LIBRARY.is_file(), reason="NVML stub not built (make nvml-stub)"),
-]
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _nvml_stub_built():
+    if not STUB_LIBRARY.is_file():
+        pytest.fail("the NVML stub is not built (make test builds it: make nvml-stub)")
 
 # Families a scenario may show before its own, and why that is right:
 TOLERATED_BEFORE = {

@@ -12,7 +12,11 @@ import pytest
 from pdwatch.sidecar.capture import StackCapture, find_py_spy
 from tests.support.waiting import wait_for
 
-pytestmark = pytest.mark.skipif(find_py_spy() is None, reason="py-spy not installed (make test installs it)")
+
+@pytest.fixture(autouse=True)
+def _py_spy_installed():
+    if find_py_spy() is None:
+        pytest.fail("py-spy is not installed (make test installs it: the capture extra, in requirements.lock)")
 
 BLOCKED = "import time\ndef waiting_in_the_collective():\n    time.sleep(60)\nwaiting_in_the_collective()\n"
 

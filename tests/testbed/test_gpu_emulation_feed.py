@@ -91,8 +91,8 @@ def test_batch_writes_once_at_the_end(tmp_path):
     assert [d["utilization_gpu"] for d in state_devices(emu.path)] == ["100", "100"]
 
 
-@pytest.mark.skipif(not STUB_LIBRARY.is_file(), reason="NVML stub not built")
 def test_for_demo_makes_distinct_h200s(tmp_path):
+    assert STUB_LIBRARY.is_file(), "the NVML stub is not built (make test builds it: make nvml-stub)"
     emu = GpuEmulator.for_demo(tmp_path, count=4)
     uuids = [emu.uuid(i) for i in range(emu.count)]
     assert len(set(uuids)) == 4 and all(u.startswith("GPU-") for u in uuids)

@@ -23,8 +23,11 @@ for _name in ("torchvision._meta_registrations", "torchvision._autograd_registra
 @pytest.fixture(scope="session")
 def sglang_plugin():
     """SGLang imported, pdwatch loaded by `load_plugins()` and its hooks applied."""
-    pytest.importorskip("sglang", reason="make test installs it (the sglang extra, in requirements.lock)")
+    import importlib.util
     import os
+
+    if importlib.util.find_spec("sglang") is None:
+        pytest.fail("sglang is not installed (make test installs it: the sglang extra, in requirements.lock)")
 
     # The modules the hooks patch, imported once for the whole session.
     import sglang.srt.disaggregation.decode
