@@ -16,7 +16,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-CONTRACT_VERSION = "1.1"
+CONTRACT_VERSION = "1.2"
 
 ROLES = ("prefill", "decode", "unified")
 
@@ -57,6 +57,14 @@ DEFAULT_DOWN_FORGET_S = 600.0
 # An instance's state (section 5, v1.2): heartbeating; silent without a final heartbeat; left in order.
 STATE_UP, STATE_DOWN, STATE_DEPARTED = "up", "down", "departed"
 INSTANCE_STATES = (STATE_UP, STATE_DOWN, STATE_DEPARTED)
+# pd.plugin.state (section 4, v1.2): every hook installed; some refused; the engine runs unobserved.
+PLUGIN_ACTIVE, PLUGIN_PARTIAL, PLUGIN_INACTIVE = "active", "partial", "inactive"
+PLUGIN_STATES = (PLUGIN_ACTIVE, PLUGIN_PARTIAL, PLUGIN_INACTIVE)
+# pdwatch's: pdwatch_engine_info's plugin_state for an instance none of whose ranks says (an engine
+# side from before v1.2, or another producer); no alert reads it as inactive.
+PLUGIN_UNKNOWN = "unknown"
+# /healthz answers 503 once the judge has not finished a pass for this many evaluate intervals (v1.2).
+JUDGE_STALLED_INTERVALS = 3
 DEFAULT_HEARTBEAT_S = 2.0
 DEFAULT_INVENTORY_MAX = 2048
 # An instance is down after this many heartbeat intervals without one.
@@ -110,6 +118,10 @@ R_GPU_UUIDS = "pd.gpu.uuids"
 R_ENGINE_VERSION = "pd.engine.version"
 R_PEER_IDS = "pd.peer_ids"  # v1.1
 R_SCHEDULE_POLICY = "pd.schedule_policy"  # v1.2, optional: fcfs, lpm, priority, ... as the engine names it
+# OpenTelemetry's semantic conventions for a distribution of instrumentation: the recorder names itself
+# (pdwatch and its version) so the sidecar knows which plugin version an engine runs.
+R_DISTRO_NAME = "telemetry.distro.name"
+R_DISTRO_VERSION = "telemetry.distro.version"
 
 # ---- span attributes (section 4) -------------------------------------------------------------
 A_ROLE = "pd.role"
@@ -148,6 +160,16 @@ H_OPEN_LAST_TOKEN = "pd.open.last_token_unix_nano"  # 0 before the first token
 H_OPEN_ERRORS = "pd.open.errors"  # "" when none
 H_OPEN_PROMPT_TOKENS = "pd.open.prompt_tokens"  # -1 when unknown
 H_OPEN_PROBES = "pd.open.probes"
+# v1.2: the engine side's own health (a sidecar works without them).
+# The longest the engine's loop stands still while idle, seconds (0: it spins), as the engine knows
+# it: the sidecar then judges an idle loop that stops without first watching it turn while idle.
+H_LOOP_IDLE_TURN = "pd.loop.idle_turn_s"
+H_PLUGIN_STATE = "pd.plugin.state"  # one of PLUGIN_STATES
+H_PLUGIN_REFUSED = "pd.plugin.refused"  # string[]: "Class.method: why" per hook target refused
+H_SPANS_DROPPED = "pd.recorder.spans_dropped"  # monotonic: spans the engine side dropped
+H_EXPORTS_FAILED = "pd.recorder.exports_failed"  # monotonic: spans in exports that were not delivered
+H_HOOK_ERRORS = "pd.recorder.hook_errors"  # monotonic: exceptions caught in hooks
+H_RECORDER_HEALTH = (H_SPANS_DROPPED, H_EXPORTS_FAILED, H_HOOK_ERRORS)
 
 # pdwatch's own heartbeat attributes beside the contract's (its health, engine counters).
 H_RECORDER_PREFIX = "pdwatch.recorder."
@@ -155,16 +177,19 @@ H_ENGINE_PREFIX = "pd.engine."
 # The share (0..1) of the engine's KV cache token pool in use at the heartbeat: held by running
 # requests, not merely cached for reuse. Sent by engines that know it (the SGLang plugin).
 H_KV_USED = "pd.engine.kv_used_ratio"
+H_RECORDER_HEALTH_PREFIX = "pd.recorder."  # v1.2: the contract's recorder counters above
 H_DROPPED = "pdwatch.recorder.dropped"  # records the hot-path buffer had no room for
-H_HOOK_ERRORS = "pdwatch.recorder.hook_errors"
 H_WORKER_ERRORS = "pdwatch.recorder.worker_errors"
 H_WORKER_CPU = "pdwatch.recorder.worker_cpu_s"  # the recorder thread's CPU seconds so far
-H_SPANS_DROPPED = "pdwatch.recorder.spans_dropped"  # the export queue was full
-H_EXPORT_FAILED = "pdwatch.recorder.export_failed_spans"
+# pdwatch's names from before v1.2, still sent beside the contract's for readers of the summary's
+# per-rank engine detail: the hook errors, the export queue's own drops (without the hot-path
+# buffer's), the spans in failed exports.
+H_HOOK_ERRORS_V11 = "pdwatch.recorder.hook_errors"
+H_QUEUE_DROPPED = "pdwatch.recorder.spans_dropped"
+H_EXPORT_FAILED_V11 = "pdwatch.recorder.export_failed_spans"
 H_LEGS_EVICTED = "pdwatch.recorder.legs_evicted"
-# The longest the engine's loop stands still while idle, seconds (0: it spins), as the engine knows
-# it: the sidecar then judges an idle loop that stops without first watching it turn while idle.
-H_LOOP_IDLE_TURN = "pdwatch.loop.idle_turn_s"
+# pd.loop.idle_turn_s's name before v1.2: the sidecar still reads it from engines that send it.
+H_LOOP_IDLE_TURN_V11 = "pdwatch.loop.idle_turn_s"
 
 # ---- the sidecar's pd.stuck span (section 10) ------------------------------------------------
 A_INSTANCE = "pd.instance"
@@ -251,6 +276,9 @@ L_CLUSTER, L_ROLE, L_STAGE, L_INSTANCE = "pd_cluster", "role", "stage", "pd_inst
 L_OUTCOME, L_FAMILY, L_GPU, L_UUID, L_REASON = "outcome", "family", "gpu", "uuid", "reason"
 L_TRACE_ID, L_RID = "trace_id", "rid"
 L_STATE = "state"  # v1.2: pdwatch_instance_state's
+# v1.2: pdwatch_engine_info's.
+L_ENGINE, L_ENGINE_VERSION = "engine", "engine_version"
+L_PLUGIN_VERSION, L_PLUGIN_STATE = "plugin_version", "plugin_state"
 # pdwatch's additions: the contrast's, the GPU detail's, the forwarder's and the stack capture's.
 L_ATTRIBUTE, L_VALUE, L_LEGS = "attribute", "value", "legs"
 L_QUERY, L_ERROR, L_NAME, L_JOINED_BY = "query", "error", "name", "joined_by"
@@ -355,6 +383,21 @@ INSTANCE_STATE = Metric("pdwatch_instance_state", "gauge", (*INSTANCE_KEY, L_STA
 OPEN_AT_SILENCE = Metric("pdwatch_instance_open_at_silence", "gauge", INSTANCE_KEY,
                          "Legs a down instance listed in its last heartbeat (clients wait on them); 0 while up or "
                          "departed.")
+ENGINE_SPANS_DROPPED = Metric("pdwatch_engine_spans_dropped", "counter", INSTANCE_KEY,
+                              f"Spans the instance's engine side dropped ({H_SPANS_DROPPED}), summed over its "
+                              "current ranks.")
+ENGINE_EXPORTS_FAILED = Metric("pdwatch_engine_exports_failed", "counter", INSTANCE_KEY,
+                               f"Spans in exports the instance's engine side could not deliver ({H_EXPORTS_FAILED}), "
+                               "summed over its current ranks.")
+ENGINE_HOOK_ERRORS = Metric("pdwatch_engine_hook_errors", "counter", INSTANCE_KEY,
+                            f"Exceptions caught in the instance's hooks ({H_HOOK_ERRORS}), summed over its current "
+                            "ranks.")
+ENGINE_INFO = Metric("pdwatch_engine_info", "gauge",
+                     (*INSTANCE_KEY, L_ENGINE, L_ENGINE_VERSION, L_PLUGIN_VERSION, L_PLUGIN_STATE),
+                     f"1 per instance: its engine ({R_SERVICE_NAME}) and version, the pdwatch plugin's version and "
+                     f"state ({', '.join(PLUGIN_STATES)}; {PLUGIN_UNKNOWN} when no rank says).")
+EVALUATION_AGE = Metric("pdwatch_evaluation_age_seconds", "gauge", (),
+                        "Seconds since the judge last finished a pass, read at scrape time.")
 CLUSTER_FLOWING = Metric("pdwatch_cluster_flowing", "gauge", (L_CLUSTER,),
                          "1 when some leg of the cluster finished ok within the flow window.")
 STUCK_EVIDENCE = Metric("pdwatch_stuck_evidence_requests", "gauge", (*LEG_GROUP, L_REASON),
@@ -365,7 +408,8 @@ REQUIRED_METRICS = (
     INFLIGHT, STUCK, OLDEST_AGE, THRESHOLD, STAGE_DURATION, FINISHED, STUCK_DETECTED, STUCK_INFO, INSTANCE_UP,
     INSTANCE_START, INSTANCE_RESTARTS, LOOP_STALLED, GPU_UTILIZATION, GPU_POWER, GPU_POWER_LIMIT,
     GPU_MEMORY_USED, GPU_TELEMETRY_UP, SUSPECTED_FAILURE, SPANS_RECEIVED, SPANS_REJECTED, TRACKED_LEGS,
-    CLUSTER_FLOWING, STUCK_EVIDENCE, INSTANCE_STATE, OPEN_AT_SILENCE,
+    CLUSTER_FLOWING, STUCK_EVIDENCE, INSTANCE_STATE, OPEN_AT_SILENCE, ENGINE_SPANS_DROPPED, ENGINE_EXPORTS_FAILED,
+    ENGINE_HOOK_ERRORS, ENGINE_INFO, EVALUATION_AGE,
 )
 
 # pdwatch's additions (docs/sidecar.md): what the judge found beyond section 6 ...
@@ -464,10 +508,16 @@ ALERT_QUEUE_STARVATION = "PDQueueStarvation"
 ALERT_RESTART_SKEW = "PDRestartSkew"
 ALERT_ENGINE_SILENT = "PDEngineSilent"
 ALERT_TELEMETRY_MISSING = "PDWatchTelemetryMissing"
+# v1.2: pdwatch's own blind spots.
+ALERT_ENGINE_TELEMETRY_LOSS = "PDWatchEngineTelemetryLoss"
+ALERT_PLUGIN_INACTIVE = "PDWatchPluginInactive"
+ALERT_JUDGE_STALLED = "PDWatchJudgeStalled"
+ALERT_SIDECAR_DOWN = "PDWatchSidecarDown"
 ALERT_NAMES = (
     ALERT_STUCK_WHILE_OTHERS_FLOW, ALERT_TOTAL_WEDGE, ALERT_TRANSFER_WEDGE, ALERT_BOOTSTRAP_WEDGE,
     ALERT_COLLECTIVE_DESYNC, ALERT_QUEUE_STARVATION, ALERT_RESTART_SKEW, ALERT_ENGINE_SILENT,
-    ALERT_TELEMETRY_MISSING,
+    ALERT_TELEMETRY_MISSING, ALERT_ENGINE_TELEMETRY_LOSS, ALERT_PLUGIN_INACTIVE, ALERT_JUDGE_STALLED,
+    ALERT_SIDECAR_DOWN,
 )
 
 

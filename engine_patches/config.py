@@ -94,11 +94,17 @@ class RecorderConfig:
     # well inside the stuck floors (seconds). The buffer holds this long of records.
     drain_interval_s: float = 1.0
     # The longest the engine's scheduler loop stands still while idle, if the engine knows it (0: it
-    # spins); sent in heartbeats (pdwatch.loop.idle_turn_s). None: unknown, the sidecar learns it.
+    # spins); sent in heartbeats (pd.loop.idle_turn_s). None: unknown, the sidecar learns it.
     loop_idle_turn_s: float | None = None
     # The order in which the engine takes legs from its waiting queue, as it names it (fcfs, lpm, priority,
     # ...): pd.schedule_policy (contract v1.2), which the sidecar's overtaken rule reads. None: not said.
     schedule_policy: str | None = None
+    # How much of the engine the integration observes (pd.plugin.state, contract v1.2): active (every
+    # hook installed), partial (some refused), inactive (no hook: only heartbeats are sent). A recorder
+    # fed by its engine directly (the testbed's emulated engines) is active.
+    plugin_state: str = c.PLUGIN_ACTIVE
+    # The hook targets the integration refused to install, each "Class.method: why" (pd.plugin.refused).
+    plugin_refused: tuple[str, ...] = ()
     # The engine's KV transfer backend (nixl, mooncake, ...), a property of the process: written on
     # every transfer stage span that did not record one, so hooks need not record it per request.
     transfer_backend: str | None = None
@@ -115,6 +121,8 @@ class RecorderConfig:
         env = os.environ if environ is None else environ
         if self.role not in c.ROLES:
             raise ValueError(f"role must be one of {', '.join(c.ROLES)}, not {self.role!r}")
+        if self.plugin_state not in c.PLUGIN_STATES:
+            raise ValueError(f"plugin_state must be one of {', '.join(c.PLUGIN_STATES)}, not {self.plugin_state!r}")
         endpoint = self.endpoint or env.get(c.ENV_OTLP_ENDPOINT) or c.DEFAULT_SIDECAR_URL
         return replace(
             self,

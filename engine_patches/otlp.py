@@ -51,6 +51,9 @@ def resource(cfg: RecorderConfig, instance_id: str, start_ns: int) -> Resource:
         c.R_TP_RANK: cfg.tp_rank,
         c.R_TP_SIZE: cfg.tp_size,
         c.R_ENGINE_VERSION: cfg.engine_version,
+        # OpenTelemetry's names for the instrumentation distribution: the sidecar learns the plugin's version.
+        c.R_DISTRO_NAME: c.DISTRIBUTION,
+        c.R_DISTRO_VERSION: c.package_version(),
     }
     if cfg.gpu_uuids:
         attrs[c.R_GPU_UUIDS] = list(cfg.gpu_uuids)

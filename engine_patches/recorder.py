@@ -219,15 +219,24 @@ class Recorder:
             c.H_COMPLETED: legs.completed,
             c.H_FAILED: legs.failed,
             c.H_TOKENS: legs.tokens_generated,
-            # pdwatch's own health, so the sidecar can tell lost telemetry from quiet.
-            c.H_DROPPED: self.dropped,
+            # The engine side's health (contract v1.2), so the sidecar can tell lost telemetry from quiet.
+            # spans_dropped counts both places the engine side drops: the export queue when full, and the
+            # hot-path buffer when full (a dropped record is a stage or leg the sidecar never hears of).
+            c.H_SPANS_DROPPED: self.export.dropped + self.dropped,
+            c.H_EXPORTS_FAILED: self.export.failed_spans,
             c.H_HOOK_ERRORS: self.hook_errors,
+            c.H_PLUGIN_STATE: cfg.plugin_state,
+            # pdwatch's detail beside them: each place apart, and the names from before v1.2.
+            c.H_DROPPED: self.dropped,
+            c.H_QUEUE_DROPPED: self.export.dropped,
+            c.H_HOOK_ERRORS_V11: self.hook_errors,
+            c.H_EXPORT_FAILED_V11: self.export.failed_spans,
             c.H_WORKER_ERRORS: self.worker_errors,
             c.H_WORKER_CPU: self.worker_cpu_s,
-            c.H_SPANS_DROPPED: self.export.dropped,
-            c.H_EXPORT_FAILED: self.export.failed_spans,
             c.H_LEGS_EVICTED: legs.evicted,
         }
+        if cfg.plugin_refused:
+            attrs[c.H_PLUGIN_REFUSED] = list(cfg.plugin_refused)
         if cfg.loop_idle_turn_s is not None:
             attrs[c.H_LOOP_IDLE_TURN] = float(cfg.loop_idle_turn_s)
         for name, value in self._engine_counters.items():

@@ -81,6 +81,9 @@ class PluginState:
             # a batch slot, admitted as memory frees, not in the policy's order: it declares none.
             schedule_policy=schedule_policy(scheduler) if role != "decode" else None,
             gauges=lambda: kv_gauges(scheduler),
+            # The guard (guard.py) runs the plugin only when every hook target is there, and then every
+            # hook is installed: a running plugin is active. Partial and inactive modes come later.
+            plugin_state=c.PLUGIN_ACTIVE,
         )
         rec = (recorder_factory or from_env)(role, **overrides)
         rec.hook_errors += self.early_errors

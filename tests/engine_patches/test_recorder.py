@@ -319,7 +319,8 @@ def test_export_queue_is_bounded_and_overflow_counted():
         rec.finish(f"p-{i}", "ok")
     rec.drain()  # nothing posted yet: the queue fills, then refuses
     assert (rec.export.waiting, rec.export.dropped) == (8, 100 - 8)  # 50 legs of two spans each
-    assert rec.heartbeat_attributes()["pdwatch.recorder.spans_dropped"] == 92
+    assert rec.heartbeat_attributes()["pdwatch.recorder.spans_dropped"] == 92  # the queue alone
+    assert rec.heartbeat_attributes()["pd.recorder.spans_dropped"] == 92  # nothing dropped on the hot path
     assert rec.flush(timeout_s=5)
     assert counting.posted == 1 and rec.export.sent == rec.export.taken == 8 and rec.export.waiting == 0
     rec.heartbeat()  # room again
@@ -425,3 +426,68 @@ def test_heartbeats_carry_the_engines_gauges_and_a_failing_gauge_costs_only_its_
     # The beat is still sent, and counts the error (the gauges are read before the heartbeat is built).
     assert [b["pdwatch.recorder.worker_errors"] for b in beats] == [0, 1, 1]
     assert all(isinstance(b["pd.engine.kv_used_ratio"], float) for b in beats if "pd.engine.kv_used_ratio" in b)
+
+
+class RefusingTransport:
+    """A sidecar that answers every export with an error: each post fails."""
+
+    def post(self, body):
+        raise OSError("connection refused")
+
+    def close(self):
+        pass
+
+
+def test_heartbeats_carry_the_engine_sides_health_under_the_contracts_names():
+    """v1.2: pd.recorder.spans_dropped counts the export queue's drops and the hot-path buffer's,
+    pd.recorder.exports_failed the spans of undelivered exports, pd.recorder.hook_errors the hooks'."""
+    rec, _, _ = make("prefill", transport=RefusingTransport(), max_export_queue=4, buffer_max=40)
+    for i in range(20):  # 60 records into a buffer of 40: 20 dropped on the hot path
+        rec.arrive(f"p-{i}", bootstrap_room=i)
+        rec.enter(f"p-{i}", "queued")
+        rec.finish(f"p-{i}", "ok")
+    rec.drain()  # the records left make 26 spans (13 legs, 2 each), into a queue of 4
+    hb = rec.heartbeat_attributes()
+    assert rec.dropped == 20 and rec.export.dropped == 26 - 4
+    assert hb["pd.recorder.spans_dropped"] == 20 + 22
+    assert hb["pdwatch.recorder.dropped"] == 20 and hb["pdwatch.recorder.spans_dropped"] == 22
+    assert hb["pd.recorder.exports_failed"] == 0
+    rec.flush(timeout_s=1)  # the export fails: its 4 spans are counted, not retried forever
+    assert rec.heartbeat_attributes()["pd.recorder.exports_failed"] == rec.export.failed_spans == 4
+    rec.hook_errors += 2  # what a hook's except clause does
+    assert rec.heartbeat_attributes()["pd.recorder.hook_errors"] == 2
+    rec.shutdown(timeout_s=0.5)
+
+
+def test_heartbeats_say_the_plugin_state_and_what_it_refused():
+    default, _, _ = make("decode")
+    partial, _, _ = make("decode", plugin_state="partial",
+                         plugin_refused=("DecodeTransferQueue.pop_transferred: parameter 'rids_to_check' missing",))
+    hb = default.heartbeat_attributes()
+    assert hb["pd.plugin.state"] == "active" and "pd.plugin.refused" not in hb
+    hb = partial.heartbeat_attributes()
+    assert hb["pd.plugin.state"] == "partial"
+    assert hb["pd.plugin.refused"] == ["DecodeTransferQueue.pop_transferred: parameter 'rids_to_check' missing"]
+    with pytest.raises(ValueError, match="plugin_state"):
+        RecorderConfig(role="decode", plugin_state="half").resolved({})
+    for rec in (default, partial):
+        rec.shutdown()
+
+
+def test_idle_turn_is_sent_under_the_contracts_name_only():
+    rec, _, _ = make("decode", loop_idle_turn_s=0.5)
+    hb = rec.heartbeat_attributes()
+    assert hb["pd.loop.idle_turn_s"] == 0.5 and "pdwatch.loop.idle_turn_s" not in hb
+    rec.shutdown()
+
+
+def test_resource_names_the_pdwatch_distribution_and_its_version():
+    from pdwatch import contract
+
+    rec, exp, _ = make("decode")
+    rec.heartbeat()
+    rec.flush()
+    res = exp.get_finished_spans()[0].resource.attributes
+    assert res["telemetry.distro.name"] == "pdwatch"
+    assert res["telemetry.distro.version"] == contract.package_version() != ""
+    rec.shutdown()

@@ -397,6 +397,14 @@ def test_a_raising_hook_never_reaches_the_scheduler(sglang_plugin, gloo):
     assert popped == [req, poisoned]
     assert r.rec.hook_errors >= 1
     assert r.heartbeat()["pdwatch.recorder.hook_errors"] == r.rec.hook_errors
+    assert r.heartbeat()["pd.recorder.hook_errors"] == r.rec.hook_errors  # the contract's name (v1.2)
+
+
+def test_a_running_plugin_says_it_is_active(sglang_plugin):
+    """The guard runs the plugin only with every hook target there, so a running plugin has them all."""
+    r = Recording("decode")
+    hb = r.heartbeat()
+    assert hb["pd.plugin.state"] == "active" and "pd.plugin.refused" not in hb
 
 
 def test_missing_target_disables_the_plugin_and_registers_nothing(sglang_plugin, monkeypatch, caplog):
