@@ -195,13 +195,18 @@ def create_app(settings: Settings | None = None, *, clock: Callable[[], int] = t
         ev = sc.latest()
         return {"at_unix_s": round(ev.at_ns / 1e9, 3), "instances": sc.history.view(seconds, ev.at_ns / 1e9)}
 
-    @app.get(c.PATH_HEALTH, summary="Liveness")
-    async def healthz() -> dict[str, Any]:
+    @app.get(c.PATH_HEALTH, summary="Liveness: 503 once the judge has not finished a pass for 3 of its intervals",
+             responses={503: {"description": "the judge is stalled"}})
+    async def healthz(response: Response) -> dict[str, Any]:
         # Only the evaluation, never the sampler directly: /healthz and /metrics then tell
         # one story about the GPUs (the sampler runs ahead of the judge by up to a tick).
         ev = sc.latest()
+        stalled = sc.worker.stalled()  # read here, on the event loop: the judge's thread may be the one stuck
+        if stalled:
+            response.status_code = 503
         return {
-            "status": "ok",
+            "status": "stalled" if stalled else "ok",
+            "evaluation_age_s": round(sc.worker.age_s(), 3),
             "tracked_legs": ev.counters.tracked_legs,
             "instances": ev.counters.tracked_instances,
             "evaluated_unix_s": round(ev.at_ns / 1e9, 3),

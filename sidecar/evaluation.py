@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdwatch import contract as c
+
 from .gpu.join import Owner
 from .gpu.sampler import DeviceSample
 
@@ -114,7 +116,7 @@ class Rank:
     loop_iterations: int | None
     loop_still_s: float  # seconds its loop was seen not to advance
     loop_rule_s: float
-    idle_turn_s: float | None  # pdwatch.loop.idle_turn_s, as the engine said it
+    idle_turn_s: float | None  # pd.loop.idle_turn_s, as the engine said it
     completed: int
     failed: int
     tokens_generated: int
@@ -144,6 +146,16 @@ class InstanceView:
     kv_used: float | None = None  # share of its KV pool in use, as its engine last said (None: not said)
     state: str = "up"  # contract section 5 (v1.2): up, down or departed
     open_at_silence: int = 0  # legs it listed in its last heartbeat, while down
+    # v1.2, the engine side's health: pd.recorder.* summed over its current ranks (attribute -> count) ...
+    recorder: dict[str, int] = field(default_factory=dict)
+    # ... what it runs (its rank 0's service.name, pd.engine.version, pdwatch's telemetry.distro.version) ...
+    engine: str = ""
+    engine_version: str = ""
+    plugin_version: str = ""
+    # ... and how much of it the plugin sees: the least-observed rank's state (c.PLUGIN_UNKNOWN while no
+    # rank says), and every rank's refusals.
+    plugin_state: str = c.PLUGIN_UNKNOWN
+    plugin_refused: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,7 @@ from typing import Any
 
 from pdwatch import contract as c
 
-from . import rules
+from . import engine_health, rules
 from .capture import StackCapture
 from .contrast import Contrast, LegFacts, contrast
 from .diagnosis.classify import classify, verdict
@@ -203,6 +203,7 @@ class Judge:
         beats = [inc.last_heartbeat_ns for inc in inst.ranks.values() if inc.last_heartbeat_ns]
         open_total = owner.open_total if owner is not None and owner.open_total is not None else \
             sum(owner.open_counts.values()) if owner is not None else 0
+        plugin_state, refused = engine_health.plugin_state(inst.ranks.values())
         return InstanceView(
             cluster=inst.cluster, name=inst.name, role=inst.role, up=state == c.STATE_UP, state=state,
             open_at_silence=open_total if state == c.STATE_DOWN else 0,
@@ -214,6 +215,11 @@ class Judge:
             open_total=open_total,
             finished_ok_recent=rules.finished_ok_since(inst, now - self.flow_window_ns),
             kv_used=owner.extra.get(c.H_KV_USED) if owner is not None else None,
+            recorder=engine_health.recorder_totals(inst.ranks.values()),
+            engine=owner.service if owner is not None else "",
+            engine_version=owner.version if owner is not None else "",
+            plugin_version=owner.plugin_version if owner is not None else "",
+            plugin_state=plugin_state, plugin_refused=refused,
             ranks=tuple(self._rank(inc, now) for inc in sorted(inst.ranks.values(), key=lambda i: i.rank)),
         )
 

@@ -137,6 +137,21 @@ class EvaluationCollector:
             if inst.kv_used is not None:
                 kv_used.add_metric(labels, inst.kv_used)
         yield from (up, state, at_silence, start, restarts, stalled, frozen, age, kv_used)
+        yield from EvaluationCollector._engines(ev)
+
+    @staticmethod
+    def _engines(ev: Evaluation) -> Iterator[Metric]:
+        """The engine side's own health (contract v1.2): what its recorders lost, what its plugins see."""
+        counts = {name: counter(metric) for name, metric in ((c.H_SPANS_DROPPED, c.ENGINE_SPANS_DROPPED),
+                                                             (c.H_EXPORTS_FAILED, c.ENGINE_EXPORTS_FAILED),
+                                                             (c.H_HOOK_ERRORS, c.ENGINE_HOOK_ERRORS))}
+        info = gauge(c.ENGINE_INFO)
+        for inst in ev.instances:
+            labels = [inst.cluster, inst.role, inst.name]
+            for name, family in counts.items():
+                family.add_metric(labels, inst.recorder.get(name, 0))
+            info.add_metric([*labels, inst.engine, inst.engine_version, inst.plugin_version, inst.plugin_state], 1)
+        yield from (*counts.values(), info)
 
     @staticmethod
     def _own(ev: Evaluation) -> Iterator[Metric]:

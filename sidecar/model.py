@@ -57,6 +57,7 @@ class Process:
     gpu_uuids: tuple[str, ...]
     service: str
     version: str
+    plugin_version: str  # telemetry.distro.version of a pdwatch recorder; "" when not pdwatch's or not said
 
 
 @dataclass(slots=True, eq=False)
@@ -100,6 +101,11 @@ class Incarnation(Process):
     keys: set[tuple[str, str]] = field(default_factory=set)  # open legs this process listed or reported
     # Sidecar time of its final heartbeat (v1.2): it left in order; 0 while it has sent none (or spoke since).
     final_ns: int = 0
+    # pd.plugin.state and pd.plugin.refused (v1.2); "" while it has not said.
+    plugin_state: str = ""
+    plugin_refused: tuple[str, ...] = ()
+    # The recorder's own counters (v1.2, pd.recorder.*: attribute name -> count) as its latest heartbeat said.
+    recorder: dict[str, int] = field(default_factory=dict)
     # pd.schedule_policy (v1.2): the order it takes legs from its waiting queue; "" when it does not say.
     schedule_policy: str = ""
     # stage -> its latest passages, oldest first: the newest OVERTAKEN_PASSAGES_KEPT are all the overtaken

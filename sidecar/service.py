@@ -109,7 +109,7 @@ class CaptureCollector:
 
 
 class WorkerCollector:
-    """The judge's own health: ticks, failed ticks, how long the latest took."""
+    """The judge's own health: ticks, failed ticks, how long the latest took, how long ago one finished."""
 
     def __init__(self, worker: Worker):
         self.worker = worker
@@ -122,3 +122,4 @@ class WorkerCollector:
         yield counter(c.JUDGE_TICKS, w.ticks)
         yield counter(c.JUDGE_ERRORS, w.tick_errors)
         yield gauge(c.JUDGE_TICK_SECONDS, w.last_tick_s)
+        yield gauge(c.EVALUATION_AGE, round(w.age_s(), 3))  # read now, not when the judge last ran

@@ -44,6 +44,8 @@ MAX_RANKS = 1024
 MAX_PEER_IDS = 64
 MAX_TEXT = 256  # peers, errors: enough to read, bounded in memory
 MAX_POLICY = 64  # a schedule policy's name
+MAX_REFUSED = 64  # pd.plugin.refused entries kept: one per hook target
+MAX_VERSION = 64  # a plugin version's text
 ZERO16, ZERO8 = bytes(16), bytes(8)
 _STATUS_ERROR = Status.STATUS_CODE_ERROR
 
@@ -124,12 +126,17 @@ class HeartbeatRecord:
     seq: int
     interval_s: float | None
     loop_iterations: int | None
-    loop_idle_turn_s: float | None  # pdwatch.loop.idle_turn_s: the engine's own word on its idle loop
+    loop_idle_turn_s: float | None  # pd.loop.idle_turn_s (or its pre-v1.2 name): the engine's own word on its idle loop
     final: bool  # pd.heartbeat.final (v1.2): the process is leaving in order; its inventory is what it leaves open
     counters: dict[str, int]  # completed, failed, tokens_generated
     open_counts: dict[str, int]
-    extra: dict[str, float]  # pdwatch.* and pd.engine.* numbers
+    extra: dict[str, float]  # pd.recorder.*, pdwatch.* and pd.engine.* numbers
     inventory: Inventory | None
+    # v1.2, each None when the heartbeat does not say: pd.plugin.state, pd.plugin.refused, and the
+    # recorder's counters (pd.recorder.*: attribute name -> monotonic count).
+    plugin_state: str | None = None
+    plugin_refused: tuple[str, ...] | None = None
+    recorder: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -270,6 +277,9 @@ def read_source(attrs: dict[str, Any]) -> Source:
         version=_str(attrs, c.R_ENGINE_VERSION, required=False),
         peer_ids=_strings(attrs, c.R_PEER_IDS, MAX_PEER_IDS),
         schedule_policy=_str(attrs, c.R_SCHEDULE_POLICY, required=False)[:MAX_POLICY],
+        # The plugin's version when the recorder is pdwatch's (another distribution's version is not it).
+        plugin_version=_str(attrs, c.R_DISTRO_VERSION, required=False)[:MAX_VERSION]
+        if attrs.get(c.R_DISTRO_NAME) == c.DISTRIBUTION else "",
     )
 
 
@@ -455,14 +465,16 @@ def _heartbeat(span: Span, role: str) -> HeartbeatRecord:
     inventory = _inventory(attrs, role) if c.H_OPEN_TOTAL in attrs else None
     interval = attrs.get(c.H_INTERVAL)
     loop = attrs.get(c.H_LOOP)
-    idle_turn = attrs.get(c.H_LOOP_IDLE_TURN)
+    idle_turn = attrs.get(c.H_LOOP_IDLE_TURN, attrs.get(c.H_LOOP_IDLE_TURN_V11))  # the old name still read
     counts: dict[str, int] = {}
     for stage in c.STAGES[role]:
         value = attrs.get(c.H_OPEN_COUNT_PREFIX + stage)
         if is_int(value) and value >= 0:
             counts[stage] = value
     extra = {k: v for k, v in attrs.items()
-             if k.startswith((c.H_RECORDER_PREFIX, c.H_ENGINE_PREFIX)) and finite(v)}
+             if k.startswith((c.H_RECORDER_HEALTH_PREFIX, c.H_RECORDER_PREFIX, c.H_ENGINE_PREFIX)) and finite(v)}
+    state = attrs.get(c.H_PLUGIN_STATE)
+    refused = attrs.get(c.H_PLUGIN_REFUSED)
     return HeartbeatRecord(
         start_ns=span.start_time_unix_nano, end_ns=span.end_time_unix_nano, seq=seq,
         interval_s=float(interval) if finite(interval) and 0 < interval <= 3600 else None,
@@ -473,6 +485,11 @@ def _heartbeat(span: Span, role: str) -> HeartbeatRecord:
         open_counts=counts,
         extra=dict(list(extra.items())[:64]),
         inventory=inventory,
+        # A state the contract does not name is not taken: the instance then reads as not saying.
+        plugin_state=state if state in c.PLUGIN_STATES else None,
+        plugin_refused=tuple(v[:MAX_TEXT] for v in refused[:MAX_REFUSED] if isinstance(v, str) and v)
+        if isinstance(refused, list) else None,
+        recorder={name: attrs[name] for name in c.H_RECORDER_HEALTH if is_int(attrs.get(name)) and attrs[name] >= 0},
     )
 
 

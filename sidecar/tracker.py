@@ -195,6 +195,7 @@ class Tracker:
         new = Incarnation(
             id=src.incarnation, rank=src.tp_rank, tp_size=src.tp_size, start_ns=src.start_ns, pid=src.pid,
             host=src.host, gpu_uuids=src.gpu_uuids, service=src.service, version=src.version,
+            plugin_version=src.plugin_version,
             first_seen_ns=now, last_seen_ns=now, peer_ids=src.peer_ids, schedule_policy=src.schedule_policy,
         )
         inst.ranks[src.tp_rank] = new
@@ -371,6 +372,11 @@ class Tracker:
             setattr(inc, name, value)
         if hb.extra:
             inc.extra = hb.extra
+        if hb.plugin_state is not None:
+            inc.plugin_state = hb.plugin_state
+            inc.plugin_refused = hb.plugin_refused or ()
+        if hb.recorder:
+            inc.recorder = hb.recorder
         if hb.open_counts or hb.inventory is not None:
             inc.open_counts = hb.open_counts
         if hb.inventory is not None:

@@ -104,6 +104,13 @@ def instance(inst: InstanceView) -> dict[str, Any]:
         "open": inst.open_counts,
         "finished_ok_recent": inst.finished_ok_recent,
         "kv_used_ratio": inst.kv_used,
+        # v1.2: what the engine runs, how much of it the plugin sees, and what its recorders lost.
+        "engine": inst.engine,
+        "engine_version": inst.engine_version,
+        "plugin_version": inst.plugin_version,
+        "plugin_state": inst.plugin_state,
+        "plugin_refused": list(inst.plugin_refused),
+        "recorder": dict(inst.recorder),
         "ranks": [
             {"tp_rank": r.rank, "incarnation": r.incarnation, "pid": r.pid, "host": r.host,
              "start_unix_s": _s(r.start_ns), "heartbeat_seq": r.heartbeat_seq,

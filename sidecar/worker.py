@@ -17,6 +17,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from pdwatch import contract as c
+
 log = logging.getLogger("pdwatch.sidecar.worker")
 
 T = TypeVar("T")
@@ -33,9 +35,12 @@ class Worker:
         self.ticks = 0
         self.tick_errors = 0
         self.last_tick_s = 0.0  # how long the latest tick took
+        # When the latest tick finished (monotonic; the worker's making until its first): the judge's age.
+        self._done_at = time.monotonic()
 
     def start(self) -> Worker:
         if self._thread is None:
+            self._done_at = time.monotonic()  # a judge that has not run yet is young, not stalled
             self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
             self._thread.start()
         return self
@@ -71,6 +76,15 @@ class Worker:
             log.exception("the judge's tick failed")
         self.ticks += 1
         self.last_tick_s = time.perf_counter() - started
+        self._done_at = time.monotonic()
+
+    def age_s(self) -> float:
+        """Seconds since the judge last finished a pass (a failed one counts: it ran, and will again)."""
+        return time.monotonic() - self._done_at
+
+    def stalled(self) -> bool:
+        """The judge has not finished a pass for JUDGE_STALLED_INTERVALS of its intervals (contract v1.2)."""
+        return self.age_s() > c.JUDGE_STALLED_INTERVALS * self.interval_s
 
     def _run(self) -> None:
         next_tick = time.monotonic()

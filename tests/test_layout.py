@@ -101,7 +101,7 @@ SIDECAR_ROOMS = {
     # What the judge publishes: immutable values.
     "values": {"evaluation"},
     # The judge, its rules and its own tables (history: the samples it keeps for the live page).
-    "judge": {"judge", "rules", "thresholds", "verdicts", "contrast", "history", "diagnosis.classify",
+    "judge": {"judge", "rules", "engine_health", "thresholds", "verdicts", "contrast", "history", "diagnosis.classify",
               "diagnosis.from_evaluation"},
     # Readers: they see values, never facts or rules.
     "readers": {"metrics", "views", "forward", "ui", "diagnosis.collector", "gpu.collector",
