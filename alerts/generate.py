@@ -162,6 +162,26 @@ NO_SPANS = (f"sum by ({_BY_TARGET}) (rate({c.SPANS_RECEIVED.series}[5m])) == 0\n
             f'({c.INSTANCE_STATE.series}{{{c.L_STATE}!="{c.STATE_DEPARTED}"}}) == 0')
 
 
+# pdwatch's own blind spots (contract section 9, v1.2).
+# The scrape job of the sidecars: deploy/prometheus/prometheus.yml names it pdwatch; the ServiceMonitor of
+# deploy/kubernetes/ sets none, so the operator names it after the Service, pdwatch-node.
+SIDECAR_JOBS = ("pdwatch", "pdwatch-node")
+SIDECAR_UP = f'up{{{c.L_JOB}=~"{"|".join(SIDECAR_JOBS)}"}}'
+# An engine's recorder losing spans in every LOSS_RANGE for LOSS_FOR: a loss that lasts, not the exports that
+# fail for the seconds a sidecar restarts (those leave one window with an increase, shorter than LOSS_FOR).
+LOSS_RANGE, LOSS_FOR = "5m", "10m"
+_LOSS_BY = c.ENGINE_SPANS_DROPPED.by(*c.INSTANCE_KEY)
+TELEMETRY_LOSS = (f"sum by ({_LOSS_BY}) (increase({c.ENGINE_SPANS_DROPPED.series}[{LOSS_RANGE}])) > 0\n"
+                  f"or sum by ({c.ENGINE_EXPORTS_FAILED.by(*c.INSTANCE_KEY)}) "
+                  f"(increase({c.ENGINE_EXPORTS_FAILED.series}[{LOSS_RANGE}])) > 0")
+_INFO_BY = c.ENGINE_INFO.by(*c.ENGINE_INFO.labels)
+PLUGIN_BLIND = (f"max by ({_INFO_BY}) "
+                f'({c.ENGINE_INFO.series}{{{c.L_PLUGIN_STATE}=~"{c.PLUGIN_PARTIAL}|{c.PLUGIN_INACTIVE}"}}) == 1')
+# The judge's age past which it is stalled for any evaluate interval up to 10 s (3 intervals: /healthz's
+# 503), and well past the default 0.5 s; with JUDGE_FOR, a judge stopped for about 90 s.
+JUDGE_STALLED_S, JUDGE_FOR = 30, "1m"
+
+
 def _silent_alert(held: str, severity: str, summary: str, what: str) -> Alert:
     """PDEngineSilent for the down instances whose legs held at silence compare as `held`."""
     return Alert(
@@ -338,6 +358,68 @@ GROUPS = (
                 "from a collective desync)."
             ),
             extra_labels={c.L_REASON: "gpu_telemetry_lost"},
+        ),
+        Alert(
+            name=c.ALERT_ENGINE_TELEMETRY_LOSS,
+            expr=TELEMETRY_LOSS,
+            for_=LOSS_FOR,
+            severity="warning",
+            summary="An engine's pdwatch recorder keeps losing spans: the sidecar sees part of its requests.",
+            description=(
+                f"{_show(ROLE)} instance {_show(INSTANCE)} (cluster {_show(CLUSTER)}) has lost telemetry in every "
+                f"{LOSS_RANGE} for {LOSS_FOR}. In the last {LOSS_RANGE}: "
+                + _count(*_in(f"sum(increase({{}}[{LOSS_RANGE}]))", _sel(c.ENGINE_SPANS_DROPPED, CLUSTER, INSTANCE)))
+                + " span(s) dropped on the engine side (queue or buffer full), "
+                + _count(*_in(f"sum(increase({{}}[{LOSS_RANGE}]))", _sel(c.ENGINE_EXPORTS_FAILED, CLUSTER, INSTANCE)))
+                + " span(s) in exports the sidecar did not take. Legs it lost may never be judged, and "
+                "stages may look stuck that finished."
+            ),
+        ),
+        Alert(
+            name=c.ALERT_PLUGIN_INACTIVE,
+            expr=PLUGIN_BLIND,
+            for_="2m",
+            severity="warning",
+            summary="A pdwatch engine plugin observes only part of its engine, or none of it.",
+            description=(
+                f"The pdwatch plugin {_show(c.L_PLUGIN_VERSION)} in {_show(c.L_ENGINE)} "
+                f"{_show(c.L_ENGINE_VERSION)} on {_show(ROLE)} instance {_show(INSTANCE)} (cluster "
+                f"{_show(CLUSTER)}) is {_show(c.L_PLUGIN_STATE)}: hook targets it needs are missing in this "
+                "engine version, so stuck legs there may go unseen. The refused targets are in the sidecar's "
+                "/api/v1/summary (plugin_refused)."
+            ),
+        ),
+        Alert(
+            name=c.ALERT_JUDGE_STALLED,
+            expr=f"max by ({c.EVALUATION_AGE.by(*TARGET)}) ({c.EVALUATION_AGE.series}) > {JUDGE_STALLED_S}",
+            for_=JUDGE_FOR,
+            # Critical: while the judge stands still its evaluation is frozen, so no stuck-leg alert can
+            # fire or resolve for that sidecar's engines: nothing else can page for them.
+            severity="critical",
+            summary="The pdwatch sidecar's judge has stopped: nothing can page for its engines.",
+            description=(
+                f"The judge of the sidecar {_show(c.L_TARGET)} last finished a pass {{{{ $value | humanizeDuration }}}} "
+                "ago (it runs every fraction of a second): its metrics are frozen, so no stuck request on its "
+                f"engines can page. Its {c.PATH_HEALTH} answers 503; its latest tick took "
+                + _scalar(*_in("max({})", _sel(c.JUDGE_TICK_SECONDS, c.L_TARGET)))
+                + "."
+            ),
+        ),
+        Alert(
+            name=c.ALERT_SIDECAR_DOWN,
+            expr=f"{SIDECAR_UP} == 0",
+            for_="2m",
+            # Critical for the same reason: the engines this sidecar watches can page for nothing.
+            severity="critical",
+            summary="A pdwatch sidecar does not answer Prometheus: nothing can page for its engines.",
+            description=(
+                f"Prometheus could not scrape the pdwatch sidecar {_show(c.L_TARGET)} (job {_show(c.L_JOB)}) "
+                "for 2 minutes; "
+                + _count(f'count({SIDECAR_UP} == 1)')
+                + " other sidecar(s) answer. When it last answered it tracked "
+                + _count(*_in("max(last_over_time({}[1h]))", _sel(c.TRACKED_INSTANCES, c.L_TARGET)))
+                + " engine instance(s): they are unwatched, their stuck requests cannot page."
+            ),
         ),
     )),
 )

@@ -46,7 +46,7 @@ def test_promtool_unit_tests_pass(test_file):
 def test_every_contract_alert_has_a_rule_with_severity_for_and_annotations():
     rules = gen.alerts()
     assert {r.name for r in rules} == set(gen.ALERT_NAMES)
-    assert len(gen.ALERT_NAMES) == 9
+    assert len(gen.ALERT_NAMES) == 13  # v1.2 added four
     text = RULE_FILE.read_text()
     for rule in rules:
         assert rule.severity in ("critical", "warning"), rule.name
@@ -99,3 +99,18 @@ def test_rules_use_only_metric_names_the_sidecar_exposes():
         assert used <= exposed_series(), (rule.name, used - exposed_series())
         for family in re.findall(r'family="(\w+)"', rule.expr):
             assert family in c.FAMILIES
+
+
+def test_the_sidecar_down_rule_names_every_job_the_deployments_scrape_sidecars_under():
+    """deploy/prometheus/ names its scrape job; the ServiceMonitor of deploy/kubernetes/ sets no jobLabel, so
+    the operator names the job after the Service it selects."""
+    import yaml
+
+    prometheus = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    jobs = {job["job_name"] for job in prometheus["scrape_configs"]}
+    monitor = yaml.safe_load((ROOT / "deploy" / "kubernetes" / "base" / "servicemonitor.yaml").read_text())
+    service = yaml.safe_load((ROOT / "deploy" / "kubernetes" / "base" / "service.yaml").read_text())
+    assert "jobLabel" not in monitor["spec"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    jobs.add(service["metadata"]["name"])
+    assert set(gen.SIDECAR_JOBS) == jobs
