@@ -163,10 +163,8 @@ NO_SPANS = (f"sum by ({_BY_TARGET}) (rate({c.SPANS_RECEIVED.series}[5m])) == 0\n
 
 
 # pdwatch's own blind spots (contract section 9, v1.2).
-# The scrape job of the sidecars: deploy/prometheus/prometheus.yml names it pdwatch; the ServiceMonitor of
-# deploy/kubernetes/ sets none, so the operator names it after the Service, pdwatch-node.
-SIDECAR_JOBS = ("pdwatch", "pdwatch-node")
-SIDECAR_UP = f'up{{{c.L_JOB}=~"{"|".join(SIDECAR_JOBS)}"}}'
+# Prometheus's `up` for the sidecars' scrape jobs (the contract module says which jobs, and why).
+SIDECAR_JOBS, SIDECAR_UP = c.SIDECAR_JOBS, c.SIDECAR_UP
 # An engine's recorder losing spans in every LOSS_RANGE for LOSS_FOR: a loss that lasts, not the exports that
 # fail for the seconds a sidecar restarts (those leave one window with an increase, shorter than LOSS_FOR).
 LOSS_RANGE, LOSS_FOR = "5m", "10m"

@@ -285,6 +285,12 @@ L_QUERY, L_ERROR, L_NAME, L_JOINED_BY = "query", "error", "name", "joined_by"
 L_KIND, L_RESULT = "kind", "result"
 # Labels Prometheus itself adds: its scrape target's, and a histogram bucket's bound.
 L_JOB, L_TARGET, L_LE = "job", "instance", "le"
+# Prometheus's own per-target series, and the jobs it scrapes sidecars under: deploy/prometheus/ names its
+# job pdwatch; the ServiceMonitor of deploy/kubernetes/ sets no jobLabel, so the operator names the job after
+# the Service it selects, pdwatch-node. PDWatchSidecarDown and the self dashboard read `up` of these.
+SCRAPE_UP = "up"
+SIDECAR_JOBS = ("pdwatch", "pdwatch-node")
+SIDECAR_UP = f'{SCRAPE_UP}{{{L_JOB}=~"{"|".join(SIDECAR_JOBS)}"}}'
 # The alert rules' own label: how urgent a page is (alerts/alertmanager.example.yml routes on it).
 L_SEVERITY = "severity"
 LEG_GROUP = (L_CLUSTER, L_ROLE, L_STAGE, L_INSTANCE)

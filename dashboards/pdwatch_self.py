@@ -67,4 +67,40 @@ def build() -> db.Dashboard:
         "GPU telemetry up", "1 when the sidecar samples GPUs through NVML.", f"min({c.GPU_TELEMETRY_UP.series})",
         width=4, height=8,
     ))
+
+    # Contract v1.2: where pdwatch itself goes blind.
+    d.with_row(p.row("Blind spots"))
+    d.with_panel(p.timeseries(
+        "Engine telemetry lost",
+        "Per instance, spans its engine side dropped (queue or buffer full), spans in exports the sidecar did not "
+        "take, and exceptions caught in its hooks, per second.",
+        [(f"sum by ({c.ENGINE_SPANS_DROPPED.by(*PER_INSTANCE)}) "
+          f"(rate({c.ENGINE_SPANS_DROPPED.series}{BY_INSTANCE}{RATE}))", "dropped " + legend(*PER_INSTANCE)),
+         (f"sum by ({c.ENGINE_EXPORTS_FAILED.by(*PER_INSTANCE)}) "
+          f"(rate({c.ENGINE_EXPORTS_FAILED.series}{BY_INSTANCE}{RATE}))", "export failed " + legend(*PER_INSTANCE)),
+         (f"sum by ({c.ENGINE_HOOK_ERRORS.by(*PER_INSTANCE)}) "
+          f"(rate({c.ENGINE_HOOK_ERRORS.series}{BY_INSTANCE}{RATE}))", "hook errors " + legend(*PER_INSTANCE))],
+        unit="ops",
+    ))
+    d.with_panel(p.table(
+        "Engine plugin state",
+        f"One row per instance: its engine and version, the pdwatch plugin's version and state ({c.PLUGIN_ACTIVE}: "
+        f"every hook installed; {c.PLUGIN_PARTIAL}, {c.PLUGIN_INACTIVE}: part or none of the engine is observed; "
+        f"{c.PLUGIN_UNKNOWN}: it does not say).",
+        f"max by ({c.ENGINE_INFO.by(*c.ENGINE_INFO.labels)}) ({c.ENGINE_INFO.series}{BY_INSTANCE})",
+        width=12, height=8,
+    ))
+    d.with_panel(p.timeseries(
+        "Judge evaluation age",
+        f"Seconds since each sidecar's judge last finished a pass; {c.PATH_HEALTH} answers 503 past "
+        f"{c.JUDGE_STALLED_INTERVALS} evaluate intervals.",
+        [(f"max by ({c.EVALUATION_AGE.by(c.L_TARGET)}) ({c.EVALUATION_AGE.series})", legend(c.L_TARGET))],
+        unit="s",
+    ))
+    d.with_panel(p.timeseries(
+        "Sidecars up",
+        "Prometheus's up for each sidecar it scrapes (0: the scrape failed: nothing can page for its engines).",
+        [(f"max by ({c.L_JOB}, {c.L_TARGET}) ({c.SIDECAR_UP})", legend(c.L_TARGET))],
+        unit="none",
+    ))
     return d

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from pdwatch import cli
+from pdwatch import contract as c
 from pdwatch.dashboards import common, render
 from tests.support.metrics import exposed_series
 
@@ -105,13 +106,26 @@ def test_pdwatch_itself_covers_ingest_rejections_tracking_evictions_and_gpu_tele
         assert metric in exprs, metric
 
 
+def test_pdwatch_itself_shows_where_pdwatch_goes_blind():
+    """Contract v1.2: engine telemetry loss, plugin state, the judge's age, the sidecars Prometheus reaches."""
+    exprs = _exprs(SELF)
+    for metric in ("pdwatch_engine_spans_dropped_total", "pdwatch_engine_exports_failed_total",
+                   "pdwatch_engine_hook_errors_total", "pdwatch_engine_info", "pdwatch_evaluation_age_seconds",
+                   'up{job=~"pdwatch|pdwatch-node"}'):
+        assert metric in exprs, metric
+    plugin = [p for p in _panels(SELF) if p["title"] == "Engine plugin state"][0]
+    assert plugin["type"] == "table" and plugin["targets"][0]["instant"] is True
+
+
 def test_every_expression_names_known_metrics_and_promtool_parses_it(tmp_path):
     lines = ["groups:", "  - name: dashboards", "    rules:"]
     count = 0
     for name, doc in DOCS.items():
         for where, expr in render.expressions(doc):
             used = set(re.findall(r"\bpdwatch_[a-z_]+", expr))
-            assert used and used <= KNOWN_METRICS, (name, where, used - KNOWN_METRICS)
+            if c.SIDECAR_UP in expr:  # Prometheus's own up for the sidecars' scrape jobs (contract v1.2)
+                used.add(c.SCRAPE_UP)
+            assert used and used <= KNOWN_METRICS | {c.SCRAPE_UP}, (name, where, used - KNOWN_METRICS)
             concrete = render.concrete(expr)
             assert "$" not in concrete, (name, where, concrete)
             # A recording rule per expression: promtool parses the PromQL.
