@@ -19,37 +19,43 @@ log = logging.getLogger("pdwatch.sglang")
 
 ENABLE_ENV = c.ENV_SGLANG
 
-# What the last plugin() call did, for logs and tests: "disabled", "off",
-# "registered".
+# What the last plugin() call did, for logs and tests: "off", "disabled" (nothing hooked),
+# "registered" (hooks installed; `plan.state` says whether all of them).
 status = "not loaded"
 problems: list[str] = []
 
 
 def plugin() -> None:
-    """Entry point SGLang calls: check every target, then register every hook."""
+    """Entry point SGLang calls: check every target, then register what the plan keeps."""
     global status, problems
     if os.environ.get(ENABLE_ENV, "").strip().lower() not in ("1", "true", "yes", "on"):
         status = "off"
         return
-    from .guard import missing_targets
+    from .guard import plan_for_running
+    from .state import state
 
-    problems = missing_targets(targets.TARGETS)
-    if problems:
-        status = "disabled"
+    table = targets.for_version(targets.installed_version())
+    plan = plan_for_running(table)
+    problems = list(plan.refused)
+    state.plan = plan
+    if plan.refused:
         log.warning(
-            "pdwatch: this SGLang lacks %d hook target(s); the plugin is disabled and the server "
-            "runs without pdwatch telemetry: %s",
-            len(problems), "; ".join(problems),
+            "pdwatch: this SGLang lacks hook target(s); plugin state %s (%s): %s", plan.state,
+            "lifecycle spans recorded" if plan.lifecycle else
+            "heartbeats only" if plan.heartbeats else "nothing recorded, no heartbeat",
+            "; ".join(plan.refused),
         )
+    if not plan.install:
+        status = "disabled"
         return
-    register()
+    register(plan.install)
     status = "registered"
 
 
-def register() -> None:
+def register(table: tuple[targets.Target, ...] = targets.TARGETS) -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from . import hooks
 
-    for target in targets.TARGETS:
+    for target in table:
         HookRegistry.register(target.path, getattr(hooks, target.hook), HookType(target.hook_type))

@@ -1,17 +1,25 @@
-"""Checks the running SGLang still has every hook target, before anything is hooked.
+"""Checks the running SGLang against the hook table, before anything is hooked,
+and decides what the plugin installs.
 
-The plugin hooks all of its targets or none: a partial set would record legs
+A refused target refuses its whole group, and the group's need (targets.py,
+`GROUP_NEED`) decides the plugin state: an essential group refused leaves
+nothing to install (no recorder, so no heartbeat either); a lifecycle target
+refused refuses the whole lifecycle, since a partial set would record legs
 that enter stages and never leave them, which the sidecar would report as
-stuck. So a missing class, method or parameter disables the whole plugin.
+stuck, and the plugin only heartbeats (`inactive`); an optional group refused
+alone leaves the rest installed (`partial`).
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import NamedTuple
 
-from .targets import TARGETS, Target
+from pdwatch import contract as c
+
+from .targets import ESSENTIAL, GROUP_NEED, LIFECYCLE, TARGETS, Target
 
 
 def problems_with(target: Target) -> list[str]:
@@ -39,3 +47,60 @@ def missing_targets(targets: Iterable[Target] = TARGETS) -> list[str]:
     for target in targets:
         out.extend(problems_with(target))
     return out
+
+
+def short(target: Target) -> str:
+    """Class.method, as pd.plugin.refused names a target."""
+    return f"{target.cls}.{target.method}"
+
+
+class Plan(NamedTuple):
+    state: str  # c.PLUGIN_ACTIVE / PARTIAL / INACTIVE
+    install: tuple[Target, ...]  # the targets to hook
+    refused: tuple[str, ...]  # "Class.method: why", one per target not hooked
+    lifecycle: bool  # lifecycle spans recorded (False: heartbeats only)
+    heartbeats: bool  # a recorder is created at all
+
+
+def plan(table: Iterable[Target], problems: Mapping[str, list[str]]) -> Plan:
+    """What to install, given each target's problems (by path; absent or empty: fine)."""
+    table = tuple(table)
+    broken = {t.group: short(t) for t in table if problems.get(t.path)}
+    need = {g: GROUP_NEED.get(g, LIFECYCLE) for g in broken}
+    essential = any(n == ESSENTIAL for n in need.values())
+    lifecycle = not essential and not any(n == LIFECYCLE for n in need.values())
+    install: list[Target] = []
+    refused: list[str] = []
+    for t in table:
+        why = "; ".join(p.split(": ", 1)[-1] for p in problems.get(t.path, ()))
+        if essential:
+            kept, why = False, why or f"not installed: the essential {_first(broken, need, ESSENTIAL)} is refused"
+        elif not lifecycle and GROUP_NEED.get(t.group, LIFECYCLE) != ESSENTIAL and t.group not in _HEARTBEAT:
+            kept, why = False, why or f"lifecycle refused: {_first(broken, need, LIFECYCLE)} is missing"
+        elif t.group in broken:
+            kept, why = False, why or f"group {t.group} refused: {broken[t.group]} is missing"
+        else:
+            kept = True
+        if kept:
+            install.append(t)
+        else:
+            refused.append(f"{short(t)}: {why}")
+    if not lifecycle:  # essential refused too: nothing hooked, no heartbeat says so
+        state = c.PLUGIN_INACTIVE
+    else:
+        state = c.PLUGIN_PARTIAL if refused else c.PLUGIN_ACTIVE
+    return Plan(state, tuple(install), tuple(refused), lifecycle, not essential)
+
+
+# The optional groups a heartbeat-only plugin still installs: they touch no leg.
+_HEARTBEAT = frozenset({"shutdown"})
+
+
+def _first(broken: Mapping[str, str], need: Mapping[str, str], kind: str) -> str:
+    return next(target for group, target in broken.items() if need[group] == kind)
+
+
+def plan_for_running(table: Iterable[Target]) -> Plan:
+    """The plan for the SGLang this process imports (the plugin's start-up check)."""
+    table = tuple(table)
+    return plan(table, {t.path: problems_with(t) for t in table})

@@ -20,6 +20,8 @@ from pdwatch import contract as c
 if TYPE_CHECKING:
     from pdwatch.engine_patches.recorder import Recorder
 
+    from .guard import Plan
+
 log = logging.getLogger("pdwatch.sglang")
 # How long the final heartbeat may wait for the sidecar when the scheduler stops.
 LEAVE_POST_S = 2.0
@@ -54,6 +56,8 @@ class PluginState:
         self.tokens_seen: dict[str, int] = {}
         self.stale_peers: dict[str, str] = {}  # old agent name -> the name that replaced it
         self._start_logged = False
+        # What plugin() installed (guard.plan); None: everything (tests that hook by hand).
+        self.plan: Plan | None = None
 
     # ---- start-up -----------------------------------------------------------
 
@@ -63,6 +67,7 @@ class PluginState:
             return
         from pdwatch.engine_patches.recorder import from_env
 
+        plan = self.plan
         mode = getattr(scheduler.disaggregation_mode, "value", scheduler.disaggregation_mode)
         role = _ROLE[str(mode)]
         tp_rank, tp_size, owns = _parallel_ranks(scheduler)
@@ -81,15 +86,17 @@ class PluginState:
             # a batch slot, admitted as memory frees, not in the policy's order: it declares none.
             schedule_policy=schedule_policy(scheduler) if role != "decode" else None,
             gauges=lambda: kv_gauges(scheduler),
-            # The guard (guard.py) runs the plugin only when every hook target is there, and then every
-            # hook is installed: a running plugin is active. Partial and inactive modes come later.
-            plugin_state=c.PLUGIN_ACTIVE,
+            # What the guard (guard.py) let plugin() install: active, partial, or inactive (heartbeats only).
+            plugin_state=plan.state if plan is not None else c.PLUGIN_ACTIVE,
+            plugin_refused=plan.refused if plan is not None else (),
         )
         rec = (recorder_factory or from_env)(role, **overrides)
         rec.hook_errors += self.early_errors
         self.role = role
         self.rec = rec
-        self.lc = rec if rec.config.owns_requests else None
+        # Inactive: the lifecycle is refused, no leg is opened, so no span and no inventory: heartbeats only.
+        lifecycle = plan is None or plan.lifecycle
+        self.lc = rec if rec.config.owns_requests and lifecycle else None
         log.info("pdwatch: recording %s leg telemetry (tp rank %d/%d, lifecycle spans: %s)",
                  role, tp_rank, tp_size, "yes" if self.lc is not None else "no")
 

@@ -6,11 +6,22 @@ the running SGLang, and the contract test reads the installed source with
 are the attributes the hook reads off SGLang objects, each as `Class.attr`,
 checked to be a field, property, method or `self.attr` assignment of that
 SGLang class or one of its bases. Written for sglang 0.5.23.
+
+Each target belongs to a group, and the group says what refusing it costs
+(`GROUP_NEED`): without the `process` group there is no recorder at all;
+without every `lifecycle` target the plugin would record legs that enter
+stages and never leave them, so the whole lifecycle is refused and the plugin
+only heartbeats (`inactive`); any other group can be refused alone (`partial`).
+`versions` keeps a target to a range of SGLang releases: one table, a row per
+range where releases differ (see `for_version`).
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
 
 SCHED = "sglang.srt.managers.scheduler.Scheduler"
 PREFILL = "sglang.srt.disaggregation.prefill"
@@ -34,6 +45,8 @@ class Target(NamedTuple):
     params: tuple[str, ...] = ()
     attrs: tuple[str, ...] = ()
     kwonly: tuple[str, ...] = ()  # keyword-only parameters the hook reads by name
+    group: str = "lifecycle"  # what refusing it costs: GROUP_NEED; unclassified counts as lifecycle
+    versions: str = ""  # the SGLang releases the row is for, a PEP 440 specifier; empty: every one
 
     @property
     def module(self) -> str:
@@ -56,24 +69,30 @@ TARGETS: tuple[Target, ...] = (
            ("self",), ("Scheduler.disaggregation_mode", "Scheduler.idle_sleeper", "Scheduler.disagg_decode_prealloc_queue",
                        "Scheduler.disagg_prefill_bootstrap_queue", "DecodePreallocQueue.kv_manager",
                        "PrefillBootstrapQueue.kv_manager", "NixlKVManager.agent", "CommonKVManager.bootstrap_host",
-                       "CommonKVManager.bootstrap_port")),
+                       "CommonKVManager.bootstrap_port"), group="process"),
     Target(f"{SCHED}.ingest_requests", "before", "on_loop_iteration",
-           "one scheduler loop iteration (heartbeat pd.loop.iterations)", ("self",)),
+           "one scheduler loop iteration (heartbeat pd.loop.iterations)", ("self",), group="process",
+           versions=">0.5.16"),
+    # Before ingest_requests, every event loop (normal, PD prefill, PD decode) called this once a turn.
+    Target(f"{SCHED}.process_input_requests", "before", "on_loop_iteration",
+           "one scheduler loop iteration (heartbeat pd.loop.iterations)", ("self",), group="process",
+           versions="<=0.5.16"),
     # SIGTERM to an SGLang server drains its requests in the HTTP process, then sends every scheduler
     # a ShutdownReq, which ends its loop; the schedulers still alive 15 s later are SIGKILLed.
     Target(f"{SCHED}.handle_shutdown", "after", "on_shutdown",
            "the process leaves in order: the recorder's final heartbeat (pd.heartbeat.final) lists what it "
-           "still holds", ("self",)),
+           "still holds", ("self",), group="shutdown"),
     # -- the router's traceparent: HTTP process -> scheduler --------------------
     Target(f"{TOKENIZER}._init_req_state", "after", "on_request_state",
            "HTTP process: notes the request's traceparent header on its time stats",
            ("self", "obj", "request"),
-           ("TokenizerManager.rid_to_state", "ReqState.time_stats", "GenerateReqInput.rid")),
+           ("TokenizerManager.rid_to_state", "ReqState.time_stats", "GenerateReqInput.rid"), group="traceparent"),
     Target(f"{TIME_STATS}.__getstate__", "after", "on_time_stats_pickled",
-           "HTTP process: the traceparent note is pickled to the scheduler with the time stats", ("self",)),
+           "HTTP process: the traceparent note is pickled to the scheduler with the time stats", ("self",),
+           group="traceparent"),
     Target(f"{SCHED}.handle_generate_request", "before", "on_generate_request",
            "scheduler: keeps the traceparent until the leg arrives", ("self", "recv_req"),
-           ("TokenizedGenerateReqInput.time_stats", "TokenizedGenerateReqInput.rid")),
+           ("TokenizedGenerateReqInput.time_stats", "TokenizedGenerateReqInput.rid"), group="traceparent"),
     Target(f"{SCHED}._add_request_to_queue", "after", "on_unified_arrival",
            "unified: arrival, enters queued (or ends aborted when refused)",
            ("self", "req", "is_retracted"), ("Scheduler.waiting_queue", *_REQ_ARRIVAL)),
@@ -81,7 +100,8 @@ TARGETS: tuple[Target, ...] = (
            "prefill/unified: queued -> prefill (forward)", ("self",),
            ("NextBatchPlan.batch_to_run", "ScheduleBatch.reqs", "Req.rid")),
     Target(f"{SCHED}.abort_request", "after", "on_abort_request",
-           "abort requested (counted; the leg ends where its output is streamed)", ("self", "recv_req")),
+           "abort requested (counted; the leg ends where its output is streamed)", ("self", "recv_req"),
+           group="aborts"),
     Target(f"{STREAMER}.stream_output", "after", "on_stream_output",
            "tokens streamed; a finished request ends its leg (ok / aborted / failed / timeout)",
            ("self", "reqs"), ("Req.rid", "Req.output_ids", "Req.finished_reason", "Req.bootstrap_room")),
@@ -126,22 +146,59 @@ TARGETS: tuple[Target, ...] = (
     # -- KV managers (any backend) and NIXL ----------------------------------
     Target(f"{COMMON_MGR}.record_failure", "after", "on_kv_failure",
            "KV failure recorded for a room (counted; timeouts apart; the open leg's error)",
-           ("self", "bootstrap_room", "failure_reason"), ("CommonKVManager.failure_records",)),
+           ("self", "bootstrap_room", "failure_reason"), ("CommonKVManager.failure_records",), group="kv_failures"),
     Target(f"{COMMON_MGR}.conclude_transfer", "after", "on_kv_concluded",
            "a room's transfer concluded Failed: the open leg's error until the scheduler ends it",
-           ("self",), ("CommonKVManager.failure_records",), kwonly=("bootstrap_room", "status", "failure_reason")),
+           ("self",), ("CommonKVManager.failure_records",), kwonly=("bootstrap_room", "status", "failure_reason"),
+           group="kv_concluded"),
     Target(f"{NIXL_MGR}._add_remote_peer", "around", "on_nixl_peer_added",
            "NIXL peer added; a decode agent back under a new name is a stale peer",
            ("self", "decode_kv_args"),
            ("NixlKVManager.decode_kv_args_table", "KVArgsRegisterInfo.agent_name", "KVArgsRegisterInfo.endpoint",
-            "KVArgsRegisterInfo.gpu_id", "KVArgsRegisterInfo.decode_tp_rank")),
+            "KVArgsRegisterInfo.gpu_id", "KVArgsRegisterInfo.decode_tp_rank"), group="nixl_peers"),
     Target(f"{NIXL_MGR}._reload_invalidated_peers", "before", "on_nixl_peers_invalidated",
            "NIXL dropped peers after a transport error (peers removed)",
-           ("self", "room_transfer_infos"), ("NixlKVManager.decode_kv_args_table", "NixlKVManager.agent")),
+           ("self", "room_transfer_infos"), ("NixlKVManager.decode_kv_args_table", "NixlKVManager.agent"),
+           group="nixl_invalidated"),
     Target(f"{NIXL_MGR}.add_transfer_request", "after", "on_nixl_transfer_request",
            "prefill: KV chunk queued for NIXL (bytes, backend, peer)",
            ("self", "bootstrap_room", "kv_indices"),
-           ("NixlKVManager.transfer_infos", "CommonKVManager.kv_args", "KVArgs.kv_item_lens")),
+           ("NixlKVManager.transfer_infos", "CommonKVManager.kv_args", "KVArgs.kv_item_lens"), group="nixl_bytes"),
 )
 
-BY_HOOK = {t.hook: t for t in TARGETS}
+ESSENTIAL, LIFECYCLE, OPTIONAL = "essential", "lifecycle", "optional"
+# What refusing a group costs. essential: no recorder, so nothing at all (not even heartbeats);
+# lifecycle: heartbeats only (inactive); optional: the group alone (partial).
+GROUP_NEED = {
+    "process": ESSENTIAL,
+    "lifecycle": LIFECYCLE,
+    "shutdown": OPTIONAL,  # no final heartbeat: the sidecar ages the instance out instead
+    "traceparent": OPTIONAL,  # legs not joined to the router's trace
+    "aborts": OPTIONAL,
+    "kv_failures": OPTIONAL,
+    "kv_concluded": OPTIONAL,
+    "nixl_peers": OPTIONAL,
+    "nixl_invalidated": OPTIONAL,
+    "nixl_bytes": OPTIONAL,
+}
+# Releases `make test-matrix` checks this table against (check + contract test); live PD runs: 0.5.23.
+# Elsewhere `pdwatch check` calls each target untested, whatever it finds.
+TESTED = ("0.5.11", "0.5.13", "0.5.16", "0.5.23")
+
+
+def for_version(version: str | None, table: tuple[Target, ...] = TARGETS) -> tuple[Target, ...]:
+    """The rows for one SGLang release (None or unparsable: the rows for every release)."""
+    try:
+        v = Version(version) if version else None
+    except InvalidVersion:
+        v = None
+    return tuple(t for t in table if not t.versions or v is None or SpecifierSet(t.versions).contains(v, prereleases=True))
+
+
+def installed_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sglang")
+    except PackageNotFoundError:
+        return None

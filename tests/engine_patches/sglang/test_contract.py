@@ -1,125 +1,37 @@
 """The upgrade guard: every hook target, read from the installed SGLang source with `ast`.
 
-Nothing here imports SGLang, so it runs in a fraction of a second and fails
-with the target's name when an SGLang upgrade renames or reshapes a hooked
-method, a parameter a hook reads, or an attribute a hook reads. Attributes are
-checked on the class the hook reads them from (and its bases, followed through
-each module's imports): a name SGLang spells somewhere else does not count,
-which is how `TokenizedGenerateReqInput.external_trace_header`, a field of
-another class only, once passed here and failed on every live request.
+The reading is engine_patches/sglang/source_check.py, shared with `pdwatch
+check`; here each target of the installed release is a test that fails with
+the target's name when an SGLang upgrade renames or reshapes a hooked method,
+a parameter a hook reads, or an attribute a hook reads. `make test-matrix`
+runs it against older releases too.
 """
 
 from __future__ import annotations
 
-import ast
-import importlib.util
 import inspect
-from functools import cache
-from pathlib import Path
 
 import pytest
 
-from pdwatch.engine_patches.sglang import hooks
-from pdwatch.engine_patches.sglang.targets import TARGETS, Target
+from pdwatch.engine_patches.sglang import hooks, source_check
+from pdwatch.engine_patches.sglang.source_check import class_attributes, positional
+from pdwatch.engine_patches.sglang.targets import TARGETS as ALL_TARGETS
+from pdwatch.engine_patches.sglang.targets import Target, for_version, installed_version
 
-# Modules that define the classes the hooks read fields of (Req, DecodeRequest,
-# NextBatchPlan, KV managers, peer registrations, requests from the tokenizer).
-OBJECT_MODULES = (
-    "sglang.srt.managers.schedule_batch",
-    "sglang.srt.managers.io_struct",
-    "sglang.srt.managers.tokenizer_manager",
-    "sglang.srt.disaggregation.base.conn",
-    "sglang.srt.disaggregation.common.conn",
-    "sglang.srt.disaggregation.nixl.conn",
-    "sglang.srt.disaggregation.decode",
-    "sglang.srt.disaggregation.prefill",
-    "sglang.srt.managers.scheduler",
-)
+# The rows for the installed release (targets.py keeps a row per range where releases differ).
+TARGETS = for_version(installed_version())
 
 
-@cache
-def sglang_root() -> Path:
-    spec = importlib.util.find_spec("sglang")  # locates the package without importing it
-    if spec is None or spec.origin is None:
+def installed() -> None:
+    if source_check.sglang_root() is None:
         pytest.fail("sglang is not installed (make test installs it: the sglang extra, in requirements.lock)")
-    return Path(spec.origin).parent.parent
 
 
-@cache
-def parsed(module: str) -> ast.Module:
-    path = sglang_root() / (module.replace(".", "/") + ".py")
-    assert path.is_file(), f"module {module} is missing from the installed SGLang ({path.name})"
-    return ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-
-
-def _imported_from(module: str, name: str) -> str | None:
-    """The module `name` is imported from in `module`'s source (absolute or relative)."""
-    for node in ast.walk(parsed(module)):
-        if isinstance(node, ast.ImportFrom) and any((a.asname or a.name) == name for a in node.names):
-            if node.level:
-                base = module.split(".")
-                base = base[: len(base) - node.level]
-                return ".".join([*base, node.module] if node.module else base)
-            return node.module
-    return None
-
-
-@cache
-def find_class(name: str, module: str | None = None) -> tuple[str, ast.ClassDef] | None:
-    """(module, class node) for a class name, in `module` or its imports, else in OBJECT_MODULES."""
-    for mod in (module,) if module else OBJECT_MODULES:
-        path = sglang_root() / (mod.replace(".", "/") + ".py")
-        if not path.is_file():
-            continue
-        for node in parsed(mod).body:
-            if isinstance(node, ast.ClassDef) and node.name == name:
-                return mod, node
-        if module:
-            source = _imported_from(mod, name)
-            if source and source.startswith("sglang."):
-                return find_class(name, source)
-    return None
-
-
-@cache
-def class_attributes(name: str, module: str | None = None) -> frozenset[str]:
-    """Fields, class attributes, methods and `self.x = ...` names of a class and its SGLang bases."""
-    found = find_class(name, module)
-    if found is None:
-        return frozenset()
-    mod, cls = found
-    names: set[str] = set()
-    for node in cls.body:
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            names.add(node.target.id)
-        elif isinstance(node, ast.Assign):
-            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            names.add(node.name)
-    for node in ast.walk(cls):
-        if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
-                and isinstance(node.value, ast.Name) and node.value.id == "self"):
-            names.add(node.attr)
-    for base in cls.bases:
-        if isinstance(base, ast.Name):
-            names |= class_attributes(base.id, mod)
-    return frozenset(names)
-
-
-def find_method(target: Target) -> ast.FunctionDef | ast.AsyncFunctionDef:
-    tree = parsed(target.module)
-    cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == target.cls), None)
-    assert cls is not None, f"{target.path}: class {target.cls} is gone from {target.module}"
-    fn = next(
-        (n for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == target.method),
-        None,
-    )
-    assert fn is not None, f"{target.path}: method {target.method} is no longer defined on {target.cls}"
+def find_method(target: Target):
+    installed()
+    fn = source_check.find_method(target)
+    assert not isinstance(fn, str), fn
     return fn
-
-
-def positional(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
-    return [a.arg for a in fn.args.posonlyargs + fn.args.args]
 
 
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: t.path.split("sglang.srt.")[-1])
@@ -134,23 +46,18 @@ def test_target_exists_with_the_parameters_the_hook_reads(target):
 
 @pytest.mark.parametrize("target", [t for t in TARGETS if t.attrs], ids=lambda t: t.path.split("sglang.srt.")[-1])
 def test_attributes_the_hook_reads_are_defined_on_their_class(target):
-    missing = []
+    installed()
     for qualified in target.attrs:
-        cls, _, attr = qualified.partition(".")
-        assert attr, f"{target.path}: attribute {qualified!r} must be written Class.attr"
-        if find_class(cls) is None:
-            missing.append(f"{qualified} (class {cls} not found)")
-        elif attr not in class_attributes(cls):
-            missing.append(qualified)
-    assert not missing, f"{target.path}: the hook reads {missing}, which SGLang no longer defines there"
+        assert "." in qualified, f"{target.path}: attribute {qualified!r} must be written Class.attr"
+    missing = source_check.attribute_problems(target)
+    assert not missing, missing[0]
 
 
 @pytest.mark.parametrize("target", [t for t in TARGETS if t.kwonly], ids=lambda t: t.path.split("sglang.srt.")[-1])
 def test_keyword_only_parameters_the_hook_reads_exist(target):
-    fn = find_method(target)
-    have = {a.arg for a in fn.args.kwonlyargs}
-    missing = [p for p in target.kwonly if p not in have]
-    assert not missing, f"{target.path}: the hook reads keyword-only {missing}; SGLang now has {sorted(have)}"
+    find_method(target)
+    missing = [p for p in source_check.parameter_problems(target) if "keyword-only" in p]
+    assert not missing, missing[0]
     hook = inspect.signature(getattr(hooks, target.hook))
     takes = any(p.kind is p.VAR_KEYWORD for p in hook.parameters.values())
     assert takes or set(target.kwonly) <= set(hook.parameters), f"{target.hook} cannot take {target.kwonly}"
@@ -183,7 +90,7 @@ def test_hook_signature_matches_its_target(target):
 
 
 def test_table_has_one_entry_per_target():
-    paths = [t.path for t in TARGETS]
+    paths = [t.path for t in ALL_TARGETS]
     assert len(paths) == len(set(paths)), "a target listed twice would be patched twice"
 
 
@@ -192,3 +99,4 @@ def test_a_renamed_method_is_reported_by_name():
                    "on_prefill_bootstrapped", "renamed in a future SGLang", ("self",))
     with pytest.raises(AssertionError, match="PrefillBootstrapQueue.pop_bootstrapped_v2"):
         find_method(ghost)
+    assert any("pop_bootstrapped_v2" in p for p in source_check.source_problems(ghost))
