@@ -15,6 +15,8 @@ SUBCOMMANDS = {
     "demo": ("pdwatch.demo", "run the incident in the testbed, watched by a sidecar, and report it"),
     "testbed": ("pdwatch.testbed.cli", "run the PD testbed alone (prefill and decode over NIXL, with faults)"),
     "dashboards": ("pdwatch.dashboards.cli", "generate the Grafana dashboards, or push them to a Grafana server"),
+    "check": ("pdwatch.engine_patches.sglang.check",
+              "before a rollout, in the engine image: would the SGLang plugin be active on the SGLang installed here?"),
 }
 
 

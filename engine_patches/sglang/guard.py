@@ -24,6 +24,8 @@ from .targets import ESSENTIAL, GROUP_NEED, LIFECYCLE, TARGETS, Target
 
 def problems_with(target: Target) -> list[str]:
     """What is missing for one target in the running SGLang (empty: all there)."""
+    if target.gap:
+        return [f"{target.path}: not hooked on this release ({target.transition})"]
     try:
         module = importlib.import_module(target.module)
     except Exception as exc:  # ImportError, or whatever the module raises on import
@@ -65,14 +67,18 @@ class Plan(NamedTuple):
 def plan(table: Iterable[Target], problems: Mapping[str, list[str]]) -> Plan:
     """What to install, given each target's problems (by path; absent or empty: fine)."""
     table = tuple(table)
-    broken = {t.group: short(t) for t in table if problems.get(t.path)}
+    broken: dict[str, str] = {}  # group -> its first refused target
+    for t in table:
+        if problems.get(t.path) or t.gap:
+            broken.setdefault(t.group, short(t))
     need = {g: GROUP_NEED.get(g, LIFECYCLE) for g in broken}
     essential = any(n == ESSENTIAL for n in need.values())
     lifecycle = not essential and not any(n == LIFECYCLE for n in need.values())
     install: list[Target] = []
     refused: list[str] = []
     for t in table:
-        why = "; ".join(p.split(": ", 1)[-1] for p in problems.get(t.path, ()))
+        why = "; ".join(p.split(": ", 1)[-1] for p in problems.get(t.path, ())) or (
+            f"not hooked on this release ({t.transition})" if t.gap else "")
         if essential:
             kept, why = False, why or f"not installed: the essential {_first(broken, need, ESSENTIAL)} is refused"
         elif not lifecycle and GROUP_NEED.get(t.group, LIFECYCLE) != ESSENTIAL and t.group not in _HEARTBEAT:

@@ -35,18 +35,26 @@ TIME_STATS = "sglang.srt.observability.req_time_stats.APIServerReqTimeStats"
 _REQ_ARRIVAL = ("Req.rid", "Req.bootstrap_room", "Req.bootstrap_host", "Req.bootstrap_port",
                 "Req.origin_input_ids")
 NIXL_MGR = "sglang.srt.disaggregation.nixl.conn.NixlKVManager"
+# The hook of a gap row: on the row's releases the transition has no target pdwatch hooks (yet); the
+# row stands refused, so the plan knows what it costs (a lifecycle gap: heartbeats only).
+GAP = ""
 
 
 class Target(NamedTuple):
     path: str  # module.Class.method, as HookRegistry takes it
     hook_type: str  # "before" | "after" | "around"
-    hook: str  # name of the function in engine_patches.sglang.hooks
+    hook: str  # name of the function in engine_patches.sglang.hooks; "": none (see GAP)
     transition: str  # what the hook records
     params: tuple[str, ...] = ()
     attrs: tuple[str, ...] = ()
     kwonly: tuple[str, ...] = ()  # keyword-only parameters the hook reads by name
     group: str = "lifecycle"  # what refusing it costs: GROUP_NEED; unclassified counts as lifecycle
     versions: str = ""  # the SGLang releases the row is for, a PEP 440 specifier; empty: every one
+
+    @property
+    def gap(self) -> bool:
+        """A row with no hook: what the target records cannot be hooked on these releases (refused)."""
+        return not self.hook
 
     @property
     def module(self) -> str:
@@ -81,7 +89,9 @@ TARGETS: tuple[Target, ...] = (
     # a ShutdownReq, which ends its loop; the schedulers still alive 15 s later are SIGKILLed.
     Target(f"{SCHED}.handle_shutdown", "after", "on_shutdown",
            "the process leaves in order: the recorder's final heartbeat (pd.heartbeat.final) lists what it "
-           "still holds", ("self",), group="shutdown"),
+           "still holds", ("self",), group="shutdown", versions=">=0.5.16"),
+    Target(f"{SCHED}.handle_shutdown", "after", GAP, "no ShutdownReq handler: no orderly stop to hook, no final "
+           "heartbeat (the sidecar ages the instance out)", group="shutdown", versions="<0.5.16"),
     # -- the router's traceparent: HTTP process -> scheduler --------------------
     Target(f"{TOKENIZER}._init_req_state", "after", "on_request_state",
            "HTTP process: notes the request's traceparent header on its time stats",
@@ -98,13 +108,18 @@ TARGETS: tuple[Target, ...] = (
            ("self", "req", "is_retracted"), ("Scheduler.waiting_queue", *_REQ_ARRIVAL)),
     Target(f"{SCHED}.get_new_batch_prefill", "after", "on_prefill_batch",
            "prefill/unified: queued -> prefill (forward)", ("self",),
-           ("NextBatchPlan.batch_to_run", "ScheduleBatch.reqs", "Req.rid")),
+           ("NextBatchPlan.batch_to_run", "ScheduleBatch.reqs", "Req.rid"), versions=">=0.5.16"),
+    Target(f"{SCHED}.get_new_batch_prefill", "after", GAP, "returns the ScheduleBatch itself, no NextBatchPlan: "
+           "queued -> prefill not adapted", versions="<0.5.16"),
     Target(f"{SCHED}.abort_request", "after", "on_abort_request",
            "abort requested (counted; the leg ends where its output is streamed)", ("self", "recv_req"),
            group="aborts"),
     Target(f"{STREAMER}.stream_output", "after", "on_stream_output",
            "tokens streamed; a finished request ends its leg (ok / aborted / failed / timeout)",
-           ("self", "reqs"), ("Req.rid", "Req.output_ids", "Req.finished_reason", "Req.bootstrap_room")),
+           ("self", "reqs"), ("Req.rid", "Req.output_ids", "Req.finished_reason", "Req.bootstrap_room"),
+           versions=">=0.5.13"),
+    Target(f"{STREAMER}.stream_output", "after", GAP, "no SchedulerOutputStreamer (the scheduler streams "
+           "itself): where legs end is not adapted", versions="<0.5.13"),
     # -- prefill role ----------------------------------------------------------
     Target(f"{PREFILL}.PrefillBootstrapQueue.add", "after", "on_prefill_bootstrap_add",
            "prefill: arrival, enters bootstrap (or ends aborted when rejected at intake)",
@@ -117,20 +132,31 @@ TARGETS: tuple[Target, ...] = (
            ("Scheduler.disagg_prefill_inflight_queue", "Req.rid")),
     Target(f"{PREFILL}.SchedulerDisaggregationPrefillMixin.handle_bootstrap_failure", "before",
            "on_prefill_bootstrap_failure", "prefill: bootstrap failed or timed out", ("self", "req"),
-           ("Req.disagg_kv_sender", "CommonKVSender.kv_mgr", "CommonKVManager.failure_records")),
+           ("Req.disagg_kv_sender", "CommonKVSender.kv_mgr", "CommonKVManager.failure_records"), versions=">=0.5.13"),
+    Target(f"{PREFILL}.SchedulerDisaggregationPrefillMixin.handle_bootstrap_failure", "before", GAP,
+           "no bootstrap-failure handler: failed bootstraps end elsewhere, not adapted", versions="<0.5.13"),
     Target(f"{PREFILL}.SchedulerDisaggregationPrefillMixin.handle_inflight_transfer_failure", "before",
            "on_prefill_transfer_failure", "prefill: KV transfer failed", ("self", "req"),
-           ("Req.disagg_kv_sender", "CommonKVSender.kv_mgr", "CommonKVManager.failure_records")),
+           ("Req.disagg_kv_sender", "CommonKVSender.kv_mgr", "CommonKVManager.failure_records"), versions=">=0.5.16"),
+    Target(f"{PREFILL}.SchedulerDisaggregationPrefillMixin.handle_inflight_transfer_failure", "before", GAP,
+           "no inflight-transfer-failure handler: failed transfers end elsewhere, not adapted", versions="<0.5.16"),
     # -- decode role -----------------------------------------------------------
     Target(f"{DECODE}.DecodePreallocQueue.add", "after", "on_decode_prealloc_add",
            "decode: arrival, enters bootstrap (handshake + prealloc); retracted: queued; rebootstrap: bootstrap again",
            ("self", "req", "is_retracted", "is_rebootstrap"),
-           ("DecodePreallocQueue.queue", "DecodeRequest.req", *_REQ_ARRIVAL)),
+           ("DecodePreallocQueue.queue", "DecodeRequest.req", *_REQ_ARRIVAL), versions=">=0.5.16"),
+    # No rebootstrap before 0.5.16; the hook's is_rebootstrap defaults to False.
+    Target(f"{DECODE}.DecodePreallocQueue.add", "after", "on_decode_prealloc_add",
+           "decode: arrival, enters bootstrap (handshake + prealloc); retracted: queued",
+           ("self", "req", "is_retracted"),
+           ("DecodePreallocQueue.queue", "DecodeRequest.req", *_REQ_ARRIVAL), versions="<0.5.16"),
     # Per request, not per loop turn (nor DecodeTransferQueue.extend, which runs on every turn,
     # mostly empty): both the device and the host preallocation paths send the address here.
     Target(f"{DECODE}.DecodePreallocQueue._send_kv_metadata", "after", "on_decode_metadata_sent",
            "decode: bootstrap -> transfer (KV memory preallocated, its address sent to the prefill)",
-           ("self", "decode_req"), ("DecodeRequest.req", "Req.rid")),
+           ("self", "decode_req"), ("DecodeRequest.req", "Req.rid"), versions=">0.5.16"),
+    Target(f"{DECODE}.DecodePreallocQueue._send_kv_metadata", "after", GAP,
+           "no per-request metadata send: bootstrap -> transfer not adapted", versions="<=0.5.16"),
     # Also per request: pop_transferred and get_new_prebuilt_batch run on every
     # decode loop turn (about 80 a request here), and a wrapped call costs ~1 us there live.
     Target(f"{DECODE}.DecodeTransferQueue._commit_transfer_to_req", "after", "on_decode_transferred",
@@ -139,7 +165,9 @@ TARGETS: tuple[Target, ...] = (
     Target(f"{DECODE}.DecodeTransferQueue._abort_failed_transfer", "before", "on_decode_transfer_failure",
            "decode: KV transfer failed or timed out", ("self", "decode_req"),
            ("DecodeRequest.req", "DecodeRequest.kv_receiver", "CommonKVReceiver.kv_mgr",
-            "CommonKVManager.failure_records")),
+            "CommonKVManager.failure_records"), versions=">0.5.16"),
+    Target(f"{DECODE}.DecodeTransferQueue._abort_failed_transfer", "before", GAP,
+           "no failed-transfer abort method: failed decode transfers not adapted", versions="<=0.5.16"),
     Target(f"{DECODE_BATCH}.process_prebuilt", "after", "on_decode_batch",
            "decode: queued -> decode (the prebuilt batch, about to join the running batch)", ("self",),
            ("ScheduleBatch.reqs",)),
@@ -150,7 +178,9 @@ TARGETS: tuple[Target, ...] = (
     Target(f"{COMMON_MGR}.conclude_transfer", "after", "on_kv_concluded",
            "a room's transfer concluded Failed: the open leg's error until the scheduler ends it",
            ("self",), ("CommonKVManager.failure_records",), kwonly=("bootstrap_room", "status", "failure_reason"),
-           group="kv_concluded"),
+           group="kv_concluded", versions=">0.5.16"),
+    Target(f"{COMMON_MGR}.conclude_transfer", "after", GAP, "no conclude_transfer: a Failed conclusion is not "
+           "the open leg's error", group="kv_concluded", versions="<=0.5.16"),
     Target(f"{NIXL_MGR}._add_remote_peer", "around", "on_nixl_peer_added",
            "NIXL peer added; a decode agent back under a new name is a stale peer",
            ("self", "decode_kv_args"),
@@ -159,7 +189,9 @@ TARGETS: tuple[Target, ...] = (
     Target(f"{NIXL_MGR}._reload_invalidated_peers", "before", "on_nixl_peers_invalidated",
            "NIXL dropped peers after a transport error (peers removed)",
            ("self", "room_transfer_infos"), ("NixlKVManager.decode_kv_args_table", "NixlKVManager.agent"),
-           group="nixl_invalidated"),
+           group="nixl_invalidated", versions=">0.5.16"),
+    Target(f"{NIXL_MGR}._reload_invalidated_peers", "before", GAP, "NIXL does not drop peers after a transport "
+           "error here: nothing to count", group="nixl_invalidated", versions="<=0.5.16"),
     Target(f"{NIXL_MGR}.add_transfer_request", "after", "on_nixl_transfer_request",
            "prefill: KV chunk queued for NIXL (bytes, backend, peer)",
            ("self", "bootstrap_room", "kv_indices"),
@@ -186,8 +218,9 @@ GROUP_NEED = {
 TESTED = ("0.5.11", "0.5.13", "0.5.16", "0.5.23")
 
 
-def for_version(version: str | None, table: tuple[Target, ...] = TARGETS) -> tuple[Target, ...]:
-    """The rows for one SGLang release (None or unparsable: the rows for every release)."""
+def for_version(version: str | None, table: tuple[Target, ...] | None = None) -> tuple[Target, ...]:
+    """The rows of `table` (default TARGETS) for one SGLang release (None or unparsable: every row)."""
+    table = TARGETS if table is None else table
     try:
         v = Version(version) if version else None
     except InvalidVersion:

@@ -16,10 +16,11 @@ import pytest
 from pdwatch.engine_patches.sglang import hooks, source_check
 from pdwatch.engine_patches.sglang.source_check import class_attributes, positional
 from pdwatch.engine_patches.sglang.targets import TARGETS as ALL_TARGETS
-from pdwatch.engine_patches.sglang.targets import Target, for_version, installed_version
+from pdwatch.engine_patches.sglang.targets import TESTED, Target, for_version, installed_version
 
-# The rows for the installed release (targets.py keeps a row per range where releases differ).
-TARGETS = for_version(installed_version())
+# The rows for the installed release (targets.py keeps a row per range where releases differ),
+# less its gap rows (a transition with nothing hooked there: refused, nothing to read).
+TARGETS = tuple(t for t in for_version(installed_version()) if not t.gap)
 
 
 def installed() -> None:
@@ -89,9 +90,12 @@ def test_hook_signature_matches_its_target(target):
     )
 
 
-def test_table_has_one_entry_per_target():
-    paths = [t.path for t in ALL_TARGETS]
+@pytest.mark.parametrize("version", [*TESTED, None])
+def test_table_has_one_entry_per_target(version):
+    """Per release (None: the rows for every release, as an unparsable version gets them, less the gaps)."""
+    paths = [t.path for t in for_version(version) if version or not t.versions]
     assert len(paths) == len(set(paths)), "a target listed twice would be patched twice"
+    assert all(t.versions for t in ALL_TARGETS if t.gap), "a gap row names the releases it is for"
 
 
 def test_a_renamed_method_is_reported_by_name():

@@ -40,7 +40,7 @@ from opentelemetry.trace import StatusCode
 from pdwatch.engine_patches.recorder import Recorder, RecorderConfig
 from pdwatch.engine_patches.sglang import hooks
 from pdwatch.engine_patches.sglang.state import state
-from pdwatch.engine_patches.sglang.targets import TARGETS
+from pdwatch.engine_patches.sglang.targets import for_version, installed_version
 from pdwatch.testbed.processes import free_port as _free_port
 from tests.support.otlp_spans import KeptSpans
 
@@ -61,11 +61,12 @@ def gloo():
 class Recording:
     """The process recorder the plugin would create, exporting to memory."""
 
-    def __init__(self, role_mode: str, *, backend: str = "nixl", tp_rank: int = 0):
+    def __init__(self, role_mode: str, *, backend: str = "nixl", tp_rank: int = 0, plan=None):
         from sglang.srt.disaggregation.utils import DisaggregationMode, TransferBackend
         from sglang.srt.managers.scheduler import Scheduler
 
         state.reset()
+        state.plan = plan  # what plugin() installed (None: every hook, as the tests apply them)
         self.kept = KeptSpans()
         sched = object.__new__(Scheduler)
         sched.disaggregation_mode = DisaggregationMode(role_mode)
@@ -160,7 +161,7 @@ def test_sglang_loader_registers_every_target(sglang_plugin):
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     assert sglang_plugin.status == "registered"
-    for t in TARGETS:
+    for t in for_version(installed_version()):
         assert t.path in HookRegistry._patched, t.path
         owner = pkgutil.resolve_name(t.path.rsplit(".", 1)[0])
         patched = owner.__dict__[t.method]
@@ -407,15 +408,33 @@ def test_a_running_plugin_says_it_is_active(sglang_plugin):
     assert hb["pd.plugin.state"] == "active" and "pd.plugin.refused" not in hb
 
 
+def test_an_inactive_plugin_heartbeats_and_records_no_leg(sglang_plugin):
+    """A lifecycle target refused: the plan keeps heartbeats only; they say inactive and why."""
+    from pdwatch.engine_patches.sglang import guard, targets
+
+    table = targets.for_version(targets.installed_version())
+    lost = next(t for t in table if t.hook == "on_decode_transferred")
+    plan = guard.plan(table, {lost.path: [f"{lost.path}: method gone"]})
+    r = Recording("decode", plan=plan)
+    assert state.rec is not None and state.lc is None
+    hooks.on_decode_prealloc_add(None, None, make_req("inactive-1", fake=False))
+    hb = r.heartbeat()
+    assert hb["pd.plugin.state"] == "inactive"
+    assert "DecodeTransferQueue._commit_transfer_to_req: method gone" in hb["pd.plugin.refused"]
+    assert not [s for s in r.spans() if s.attributes.get("pd.rid") == "inactive-1"]
+
+
 def test_missing_target_disables_the_plugin_and_registers_nothing(sglang_plugin, monkeypatch, caplog):
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     import pdwatch.engine_patches.sglang as pd_plugin
     from pdwatch.engine_patches.sglang import targets
 
+    # An essential target (the process group: no recorder without it), so nothing is installed at all.
     ghost = targets.Target("sglang.srt.managers.scheduler.Scheduler.no_such_method", "after",
-                           "on_abort_request", "a target from another SGLang version", ("self",))
+                           "on_abort_request", "a target from another SGLang version", ("self",), group="process")
     monkeypatch.setattr(targets, "TARGETS", targets.TARGETS + (ghost,))
+    monkeypatch.setattr(state, "plan", None)
     before = {k: list(v) for k, v in HookRegistry._hooks.items()}
     with caplog.at_level("WARNING", logger="pdwatch.sglang"):
         pd_plugin.plugin()

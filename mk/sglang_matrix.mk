@@ -1,0 +1,43 @@
+# The supported-version matrix (docs/sglang.md): each older SGLang release in a
+# venv of its own under build/, beside the project's. The venv holds only the
+# sglang wheel (--no-deps); a .pth file adds the project venv's site-packages
+# after its own, so everything else (torch, transformers, pdwatch itself) is
+# shared and the release under test shadows the pinned one. For each release:
+# `pdwatch check` (expected state, exit status) and the plugin's contract test
+# on its real source (0.5.23, the pinned one, too: the same venv shape).
+#   SGLANG_MATRIX='0.5.16:active ...' picks releases; each with the state
+#   `pdwatch check` must report there.
+SGLANG_MATRIX ?= 0.5.23:active 0.5.16:inactive 0.5.13:inactive 0.5.11:inactive 0.5.10:inactive
+MATRIX_DIR    := build/sglang-matrix
+MATRIX_SITE    = $(shell $(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+
+# CPU torch beside PyPI's torchvision: torchvision's op registrations fail on
+# import, and SGLang's scheduler imports torchvision; empty modules stand in for
+# them in the matrix venvs only (as tests/engine_patches/sglang/conftest.py does).
+TORCHVISION_STUB := import sys, types; \
+	sys.modules.setdefault("torchvision._meta_registrations", types.ModuleType("torchvision._meta_registrations")); \
+	sys.modules.setdefault("torchvision._autograd_registrations", types.ModuleType("torchvision._autograd_registrations"))
+
+$(MATRIX_DIR)/%/.installed: $(STAMP) mk/sglang_matrix.mk mk/sglang_pins.py
+	rm -rf $(MATRIX_DIR)/$*
+	$(BIN)/python -m venv --without-pip $(MATRIX_DIR)/$*
+	$(MATRIX_DIR)/$*/bin/python -c 'import site, sys; d = site.getsitepackages()[0]; \
+		open(d + "/pdwatch-shared.pth", "w").write("import site; site.addsitedir(" + repr(sys.argv[1]) + ")\n"); \
+		open(d + "/pdwatch-torchvision-stub.pth", "w").write(sys.argv[2] + "\n")' \
+		"$(abspath $(MATRIX_SITE))" '$(TORCHVISION_STUB)'
+	$(BIN)/python -m pip install -q --no-deps --no-compile \
+		--target "$$($(MATRIX_DIR)/$*/bin/python -c 'import site; print(site.getsitepackages()[0])')" sglang==$*
+	$(MATRIX_DIR)/$*/bin/python mk/sglang_pins.py
+	touch $@
+
+MATRIX_VERSIONS = $(foreach r,$(SGLANG_MATRIX),$(firstword $(subst :, ,$(r))))
+
+.PHONY: test-matrix
+test-matrix: $(STAMP) $(foreach v,$(MATRIX_VERSIONS),$(MATRIX_DIR)/$(v)/.installed)
+	@set -e; for r in $(SGLANG_MATRIX); do \
+		v=$${r%%:*}; want=$${r#*:}; py=$(MATRIX_DIR)/$$v/bin/python; \
+		echo "== sglang $$v: pdwatch check (expect $$want)"; \
+		$$py -W ignore -m pdwatch.cli check --expect $$want; \
+		echo "== sglang $$v: contract test"; \
+		$$py -m pytest -q -p no:cacheprovider tests/engine_patches/sglang/test_contract.py; \
+	done
