@@ -1,13 +1,16 @@
 # The supported-version matrix (docs/sglang.md): each older SGLang release in a
 # venv of its own under build/, beside the project's. The venv holds only the
-# sglang wheel (--no-deps); a .pth file adds the project venv's site-packages
-# after its own, so everything else (torch, transformers, pdwatch itself) is
-# shared and the release under test shadows the pinned one. For each release:
+# sglang wheel (--no-deps) and what it pins that the lock's versions cannot
+# stand in for (mk/sglang_pins.py: transformers and what that pins); a .pth file
+# adds the project venv's site-packages after its own, so the rest (torch,
+# pdwatch itself) is shared and the release under test shadows the pinned one.
+# For each release:
 # `pdwatch check` (expected state, exit status) and the plugin's contract test
 # on its real source (0.5.23, the pinned one, too: the same venv shape).
-#   SGLANG_MATRIX='0.5.16:active ...' picks releases; each with the state
-#   `pdwatch check` must report there.
-SGLANG_MATRIX ?= 0.5.23:active 0.5.16:inactive 0.5.13:inactive 0.5.11:inactive 0.5.10:inactive
+#   SGLANG_MATRIX='VERSION:STATE[:check-only] ...' picks releases, each with the
+#   plugin state `pdwatch check` must report there; check-only: no contract test
+#   (a release without SGLang's plugin loader, where no row of the table applies).
+SGLANG_MATRIX ?= 0.5.23:active 0.5.16:inactive 0.5.13:inactive 0.5.11:inactive 0.5.10:inactive:check-only
 MATRIX_DIR    := build/sglang-matrix
 MATRIX_SITE    = $(shell $(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 
@@ -18,7 +21,7 @@ TORCHVISION_STUB := import sys, types; \
 	sys.modules.setdefault("torchvision._meta_registrations", types.ModuleType("torchvision._meta_registrations")); \
 	sys.modules.setdefault("torchvision._autograd_registrations", types.ModuleType("torchvision._autograd_registrations"))
 
-$(MATRIX_DIR)/%/.installed: $(STAMP) mk/sglang_matrix.mk mk/sglang_pins.py
+$(MATRIX_DIR)/%/.installed: $(STAMP) mk/sglang_pins.py
 	rm -rf $(MATRIX_DIR)/$*
 	$(BIN)/python -m venv --without-pip $(MATRIX_DIR)/$*
 	$(MATRIX_DIR)/$*/bin/python -c 'import site, sys; d = site.getsitepackages()[0]; \
@@ -35,9 +38,10 @@ MATRIX_VERSIONS = $(foreach r,$(SGLANG_MATRIX),$(firstword $(subst :, ,$(r))))
 .PHONY: test-matrix
 test-matrix: $(STAMP) $(foreach v,$(MATRIX_VERSIONS),$(MATRIX_DIR)/$(v)/.installed)
 	@set -e; for r in $(SGLANG_MATRIX); do \
-		v=$${r%%:*}; want=$${r#*:}; py=$(MATRIX_DIR)/$$v/bin/python; \
+		v=$${r%%:*}; rest=$${r#*:}; want=$${rest%%:*}; py=$(MATRIX_DIR)/$$v/bin/python; \
 		echo "== sglang $$v: pdwatch check (expect $$want)"; \
 		$$py -W ignore -m pdwatch.cli check --expect $$want; \
+		case $$rest in *:check-only) continue;; esac; \
 		echo "== sglang $$v: contract test"; \
 		$$py -m pytest -q -p no:cacheprovider tests/engine_patches/sglang/test_contract.py; \
 	done

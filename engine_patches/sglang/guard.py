@@ -82,9 +82,9 @@ def plan(table: Iterable[Target], problems: Mapping[str, list[str]]) -> Plan:
         if essential:
             kept, why = False, why or f"not installed: the essential {_first(broken, need, ESSENTIAL)} is refused"
         elif not lifecycle and GROUP_NEED.get(t.group, LIFECYCLE) != ESSENTIAL and t.group not in _HEARTBEAT:
-            kept, why = False, why or f"lifecycle refused: {_first(broken, need, LIFECYCLE)} is missing"
+            kept, why = False, why or f"lifecycle refused with {_first(broken, need, LIFECYCLE)}"
         elif t.group in broken:
-            kept, why = False, why or f"group {t.group} refused: {broken[t.group]} is missing"
+            kept, why = False, why or f"group {t.group} refused with {broken[t.group]}"
         else:
             kept = True
         if kept:

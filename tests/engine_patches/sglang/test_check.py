@@ -39,7 +39,7 @@ def test_a_lifecycle_target_refused_refuses_the_lifecycle_but_heartbeats():
     assert plan.state == c.PLUGIN_INACTIVE and not plan.lifecycle and plan.heartbeats
     assert {t.group for t in plan.install} == {"process", "shutdown"}
     assert "DecodePreallocQueue._send_kv_metadata: gone" in plan.refused
-    assert any(r.startswith("DecodeTransferQueue._commit_transfer_to_req: lifecycle refused: "
+    assert any(r.startswith("DecodeTransferQueue._commit_transfer_to_req: lifecycle refused with "
                             "DecodePreallocQueue._send_kv_metadata") for r in plan.refused)
     assert len(plan.refused) + len(plan.install) == len(TABLE)
 
