@@ -35,19 +35,23 @@ def _loader_present() -> bool:
         return False
 
 
+def _problems(rows: tuple[targets.Target, ...], version: str | None) -> dict[str, list[str]]:
+    if version is None:
+        return {t.path: ["sglang is not installed"] for t in rows}
+    if not _loader_present():
+        return {t.path: [f"this SGLang has no plugin loader ({LOADER}); it never calls plugin()"] for t in rows}
+    return {t.path: guard.problems_with(t) or ([] if t.gap else source_check.source_problems(t)) for t in rows}
+
+
 def run_check(table: Sequence[targets.Target] | None = None, version: str | None = None) -> dict[str, Any]:
     """What the plugin would do on the installed SGLang, as a JSON-ready dict."""
     if version is None:
         version = targets.installed_version()
-    rows = tuple(table) if table is not None else targets.for_version(version)
-    if version is None:
-        problems = {t.path: ["sglang is not installed"] for t in rows}
-    elif not _loader_present():
-        problems = {t.path: [f"this SGLang has no plugin loader ({LOADER}); it never calls plugin()"]
-                    for t in rows}
-    else:
-        problems = {t.path: guard.problems_with(t) or ([] if t.gap else source_check.source_problems(t))
-                    for t in rows}
+    if table is not None:
+        rows = tuple(table)
+    else:  # without SGLang (nor, maybe, packaging), every row is refused anyway
+        rows = targets.for_version(version) if version else targets.TARGETS
+    problems = _problems(rows, version)
     plan = guard.plan(rows, problems)
     installed = {t.path for t in plan.install}
     why = dict(r.split(": ", 1) for r in plan.refused)

@@ -20,9 +20,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from packaging.specifiers import SpecifierSet
-from packaging.version import InvalidVersion, Version
-
 SCHED = "sglang.srt.managers.scheduler.Scheduler"
 PREFILL = "sglang.srt.disaggregation.prefill"
 DECODE = "sglang.srt.disaggregation.decode"
@@ -219,13 +216,18 @@ TESTED = ("0.5.11", "0.5.13", "0.5.16", "0.5.23")
 
 
 def for_version(version: str | None, table: tuple[Target, ...] | None = None) -> tuple[Target, ...]:
-    """The rows of `table` (default TARGETS) for one SGLang release (None or unparsable: every row)."""
+    """The rows of `table` (default TARGETS) for one SGLang release; no version, or one that does not
+    parse (a source checkout): the rows of the newest release tested, the one the table is written for."""
+    # Imported here: SGLang depends on packaging, a bare pdwatch (`pdwatch check` without SGLang) need not.
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
     table = TARGETS if table is None else table
     try:
-        v = Version(version) if version else None
+        v = Version(version or TESTED[-1])
     except InvalidVersion:
-        v = None
-    return tuple(t for t in table if not t.versions or v is None or SpecifierSet(t.versions).contains(v, prereleases=True))
+        v = Version(TESTED[-1])
+    return tuple(t for t in table if not t.versions or SpecifierSet(t.versions).contains(v, prereleases=True))
 
 
 def installed_version() -> str | None:

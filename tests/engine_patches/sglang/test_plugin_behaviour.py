@@ -402,7 +402,7 @@ def test_a_raising_hook_never_reaches_the_scheduler(sglang_plugin, gloo):
 
 
 def test_a_running_plugin_says_it_is_active(sglang_plugin):
-    """The guard runs the plugin only with every hook target there, so a running plugin has them all."""
+    """Every target of the installed release there: the plan installs them all and says active."""
     r = Recording("decode")
     hb = r.heartbeat()
     assert hb["pd.plugin.state"] == "active" and "pd.plugin.refused" not in hb
