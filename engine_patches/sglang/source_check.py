@@ -105,10 +105,10 @@ def class_attributes(name: str, module: str | None = None) -> frozenset[str]:
             names.update(t.id for t in node.targets if isinstance(t, ast.Name))
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             names.add(node.name)
-    for node in ast.walk(cls):
-        if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
-                and isinstance(node.value, ast.Name) and node.value.id == "self"):
-            names.add(node.attr)
+    for sub in ast.walk(cls):
+        if (isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Store)
+                and isinstance(sub.value, ast.Name) and sub.value.id == "self"):
+            names.add(sub.attr)
     for base in cls.bases:
         if isinstance(base, ast.Name):
             names |= class_attributes(base.id, mod)
