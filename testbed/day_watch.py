@@ -113,7 +113,11 @@ class DayWatch:
             try:
                 poll = self._poll()
             except (httpx.HTTPError, MonitoringError, ValueError) as e:
-                self.errors.append(f"{time.time():.1f}: {e}")
+                self.errors.append(f"{time.time():.1f}: {type(e).__name__}: {e}")
+                continue
+            except Exception as e:  # the watch must outlive a surprise; the caller sees it in errors
+                log.exception("poll failed")
+                self.errors.append(f"{time.time():.1f}: {type(e).__name__}: {e}")
                 continue
             if poll is not None:
                 with self._lock:

@@ -53,7 +53,7 @@ ORDINARY: dict[str, tuple[float, float, dict[str, Any]]] = {
     "overload": (0.5, RESTART_AT + OVERLOAD_S + 30.0, {"overload_s": OVERLOAD_S}),
     "idle": (2.0, RESTART_AT + IDLE_S + 20.0, {"idle_s": IDLE_S}),
 }
-INCIDENT = "decode-restart"
+INCIDENT = "decode-restart"  # run as cluster "incident"
 
 
 @dataclass
@@ -70,7 +70,7 @@ class Day:
 
 def _done(cluster: str, stack: Any, poll: Poll | None) -> bool:
     """Whether a cluster showed what it came for (its load over and every request ended, and more)."""
-    if cluster == INCIDENT:
+    if cluster == "incident":
         return poll is not None and any(a["labels"].get("alertname") == HEADLINE for a in poll.pages_in(cluster))
     if not (stack.load_done and not stack.truth().open):
         return False
@@ -132,7 +132,13 @@ def _run() -> Day:
 def day() -> Day:
     day = _run()
     unfinished = sorted((set(ORDINARY) | {"incident"}) - set(day.ends))
-    assert not unfinished, f"not done within {RUN_LIMIT_S:.0f} s: {unfinished}; ends {day.ends}"
+    last = day.polls[-1] if day.polls else None
+    assert not unfinished, (
+        f"not done within {RUN_LIMIT_S:.0f} s: {unfinished}; ends {day.ends}; {len(day.polls)} polls, the last "
+        f"{time.time() - last.t if last else float('nan'):.0f} s ago; watch errors {day.poll_errors[:3]}; "
+        f"last poll: stuck {[(s['cluster'], s['role'], s['reason']) for s in last.stuck][:6] if last else None}, "
+        f"alerts {[(a.get('alertname'), a.get('pd_cluster'), a.get('alertstate')) for a in last.alerts] if last else None}, "
+        f"pages {[a['labels'] for a in last.pages] if last else None}; events {day.events['incident'][:6]}")
     return day
 
 
@@ -175,6 +181,8 @@ def test_the_incident_in_the_same_run_still_pages(day):
     pages = day.polls[-1].pages_in("incident")
     assert any(a["labels"]["alertname"] == HEADLINE and a["labels"]["severity"] == "critical" for a in pages), pages
     assert _event(day, "incident", "restart")
+    # The watch sees what it asserts the ordinary clusters never show: stuck legs and critical alerts.
+    assert any(p.stuck_in("incident") for p in day.polls) and any(p.critical_in("incident") for p in day.polls)
 
 
 def test_a_sidecar_that_hears_from_no_engine_raises_nothing(day):
