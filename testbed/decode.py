@@ -163,7 +163,8 @@ class DecodeEngine:
         if op == "stats":
             return {"ok": True, "kv_bytes_checked": self.kv_bytes_checked, "agent": self.agent_name,
                     "free_slots": self.pool.free_count, "leaked_slots": self.leaked_slots,
-                    "held": self.held()}
+                    "held": self.held(), "recorder_open": self.rec.stats()["open"],
+                    "heartbeats": self.rec.heartbeat_seq}
         if op == "kv_leak":
             # Read by the scheduler thread on its next step; a bool store is atomic.
             self.kv_leak = True

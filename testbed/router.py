@@ -167,24 +167,21 @@ class Router(StackClient):
             if instance not in self._order:
                 self._order = sorted([*self._order, instance])
 
-    def remove(self, instance: str, *, if_idle_for_s: float | None = None,
+    def remove(self, instance: str, *, if_idle_since: float | None = None,
                then: Callable[[], None] | None = None) -> bool:
         """Send no new request to `instance`; its requests in flight finish where they are.
 
-        With `if_idle_for_s`, only when none of its requests is open and the last one ended at least
-        that long ago (else False, nothing changed). `then` runs while no request can be routed,
-        before the removal: a kill there lands on a decode the router is sure holds nothing.
+        With `if_idle_since` (wall clock), only when none of its requests is open and none was sent
+        since then (else False, nothing changed). `then` runs while no request can be routed, before
+        the removal: a kill there lands on a decode the router is sure holds nothing.
         """
         with self._lock:
             if instance not in self._order:
                 return False
-            if if_idle_for_s is not None:
-                mine = [r for r in self.records if r.decode == instance]
-                if any(r.done_at is None for r in mine):
-                    return False
-                last = max((r.done_at or 0.0 for r in mine), default=0.0)
-                if time.time() - last < if_idle_for_s:
-                    return False
+            if if_idle_since is not None and any(r.decode == instance and (r.done_at is None or
+                                                                          r.sent_at >= if_idle_since)
+                                                 for r in self.records):
+                return False
             if then is not None:
                 then()
             self._order = [d for d in self._order if d != instance]

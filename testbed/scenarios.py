@@ -198,9 +198,9 @@ register(Scenario("rolling-restart", actions=at_fault("rolling_restart", "decode
     request to the restarted one completed"""))
 register(Scenario("kill-idle", actions=at_fault("kill_idle", "decode-0"), rate=1.0, tags=(ORDINARY,),
                   description="""
-    from restart_at, at the first moment decode-0 has held nothing for two heartbeats (bounded wait), it is
-    SIGKILLed and taken out of the router, as a Service drops a dead pod: down with nothing open, a warning""",
-                  ))
+    from restart_at, at the first moment decode-0 holds nothing and its recorder has sent two heartbeats
+    saying so (bounded wait), it is SIGKILLed and taken out of the router, as a Service drops a dead pod: down
+    with nothing open, a warning"""))
 register(Scenario("overload", engine_args=args_on("decode", "--max-running", "1"), rate=0.5,
                   actions=at_fault("overload", "router"), peak_factor=lambda params: params.overload_factor,
                   tags=(ORDINARY,), description="""

@@ -203,21 +203,6 @@ class Stack(StackBase):
             raise RuntimeError("the stack has no router yet")
         return self.router
 
-    def _held(self, instance: str) -> int | None:
-        """Requests the decode holds now, by its own count (None: it does not answer)."""
-        try:
-            conn = Conn.connect(self.engines[instance].info["api_port"], timeout_s=1.0)
-        except (OSError, KeyError):
-            return None
-        try:
-            conn.sock.settimeout(2.0)
-            held = conn.request({"op": "stats"}).get("held")
-            return int(held) if held is not None else None
-        except OSError:
-            return None
-        finally:
-            conn.close()
-
     def _drain(self, instance: str) -> bool:
         """Until neither the router nor the decode holds a request of it (bounded by DRAIN_WAIT_S)."""
         router = self._routed()
@@ -303,17 +288,54 @@ class Stack(StackBase):
                         ready_after_s=round(back - left["t"], 3), served=self._served_since(name, back))
         self._event("rolling_restart_done", instances=router.routed)
 
+    def _stats(self, instance: str) -> dict[str, Any] | None:
+        """The decode's own counts (None: it does not answer)."""
+        try:
+            conn = Conn.connect(self.engines[instance].info["api_port"], timeout_s=1.0)
+        except (OSError, KeyError):
+            return None
+        try:
+            conn.sock.settimeout(2.0)
+            return conn.request({"op": "stats"})
+        except OSError:
+            return None
+        finally:
+            conn.close()
+
+    def _held(self, instance: str) -> int | None:
+        """Requests the decode holds now, by its own count (None: it does not answer)."""
+        stats = self._stats(instance)
+        return None if stats is None or stats.get("held") is None else int(stats["held"])
+
+    def _idle_since(self, instance: str) -> float | None:
+        """A wall-clock time since which the decode has held nothing and its recorder has sent two
+        heartbeats that listed nothing (None: it held something meanwhile, or did not answer)."""
+        t = time.time()
+        first = self._stats(instance)
+        if not first or first.get("held") != 0 or first.get("recorder_open") != 0:
+            return None
+        deadline = time.monotonic() + 4 * self.heartbeat_s + 1.0
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            now = self._stats(instance)
+            if not now or now.get("held") != 0 or now.get("recorder_open") != 0:
+                return None
+            if now["heartbeats"] >= first["heartbeats"] + 2:  # the first built after t went out before this one
+                return t
+            time.sleep(0.05)
+        return None
+
     def _action_kill_idle(self, instance: str) -> None:
-        """SIGKILL at a moment the decode has held nothing for two heartbeats (bounded wait; else at once),
-        then out of the router, as a Service drops a dead pod."""
+        """SIGKILL at a moment the decode holds nothing and its last heartbeat said so (bounded wait; else
+        at once), then out of the router, as a Service drops a dead pod."""
         router, proc = self._routed(), self.engines[instance]
-        quiet_s = 2 * self.heartbeat_s + 0.25  # its last heartbeat listed nothing
         deadline = time.monotonic() + IDLE_WAIT_S
         idle = False
         while not self._stop.is_set() and time.monotonic() < deadline:
-            # The kill happens under the router's lock: no request can be routed to it in between.
-            if self._held(instance) == 0 and router.remove(instance, if_idle_for_s=quiet_s,
-                                                           then=lambda: proc.signal(signal.SIGKILL)):
+            since = self._idle_since(instance)
+            # The kill happens under the router's lock, and only if nothing was routed to it since:
+            # no request can reach it in between.
+            if since is not None and router.remove(instance, if_idle_since=since,
+                                                   then=lambda: proc.signal(signal.SIGKILL)):
                 idle = True
                 break
             time.sleep(0.02)
