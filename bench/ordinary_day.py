@@ -117,17 +117,24 @@ def one_round(args: argparse.Namespace, n: int, sc: SidecarProcess, watch: DayWa
 
 
 def tally(polls: list[Poll], ordinary: set[str]) -> dict[str, Any]:
-    stuck = {(s["cluster"], s.get("trace_id"), s.get("role")) for p in polls for s in p.stuck
-             if s.get("cluster") in ordinary}
+    first: dict[tuple[str, str, str], tuple[Any, ...]] = {}  # each stuck leg as first seen
+    for p in polls:
+        for s in p.stuck:
+            key = (s["cluster"], s["trace_id"], s["role"])
+            if s["cluster"] in ordinary and key not in first:
+                first[key] = (round(p.t - polls[0].t, 1), s["cluster"], s["role"], s["stage"], s["reason"],
+                              s["stage_age_s"], s["threshold_s"], f"load {p.load:.1f}")
+    stuck = sorted(first.values(), key=str)
     pages = {(a["labels"].get("alertname"), a["labels"].get("pd_cluster"), a.get("startsAt")) for p in polls[-1:]
              for a in p.pages if a["labels"].get("pd_cluster") in ordinary}
     held = [(round(p.t - polls[0].t, 1), a.get("alertname"), a.get("pd_cluster"), a.get("pd_instance"), a.get("stage"),
-             a.get("alertstate")) for p in polls for a in p.critical if a.get("pd_cluster") in ordinary]
+             a.get("alertstate"), f"load {p.load:.1f}") for p in polls for a in p.critical
+            if a.get("pd_cluster") in ordinary]
     warnings = sorted({(a.get("alertname"), a.get("pd_cluster")) for p in polls for a in p.alerts
                        if a.get("pd_cluster") in ordinary and a.get("severity") == "warning"
                        and a.get("alertstate") == "firing"})
     quiet = sum(1 for p in polls if p.quiet_alerts)
-    return {"stuck": sorted(stuck, key=str), "pages": sorted(pages, key=str), "held": held, "warnings": warnings,
+    return {"stuck": stuck, "pages": sorted(pages, key=str), "held": held, "warnings": warnings,
             "quiet": quiet}
 
 

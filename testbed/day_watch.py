@@ -10,6 +10,7 @@ and the alerts Prometheus holds for the sidecars that hear from no engine.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -40,6 +41,7 @@ class Poll:
     flowing: dict[str, bool]  # pd_cluster -> the sidecar says it flows
     quiet_alerts: list[Json]  # ALERTS of the sidecars that hear from no engine
     open: dict[str, int] = field(default_factory=dict)  # pd_cluster -> requests open at its router
+    load: float = 0.0  # the machine's 1-minute load average (a starved CPU explains late heartbeats)
 
     def stuck_in(self, cluster: str) -> list[Json]:
         return [s for s in self.stuck if s.get("cluster") == cluster]
@@ -151,4 +153,5 @@ class DayWatch:
             critical=[a for a in alerts if a.get("severity") == "critical"], alerts=alerts, pages=pages,
             instances={(i["cluster"], i["pd_instance"]): i for i in summary["instances"]},
             flowing={name: bool(cl["flowing"]) for name, cl in summary["clusters"].items()},
-            quiet_alerts=quiet, open={name: len(stack.truth().open) for name, stack in stacks.items()})
+            quiet_alerts=quiet, open={name: len(stack.truth().open) for name, stack in stacks.items()},
+            load=os.getloadavg()[0])
