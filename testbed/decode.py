@@ -373,11 +373,11 @@ class DecodeEngine:
     def _deregister(self) -> None:
         """Tell the prefill's bootstrap server this endpoint's agent is gone (best effort, bounded)."""
         try:
-            conn = Conn.connect(self.args.prefill_bootstrap_port, timeout_s=1.0)
+            conn = Conn.connect(self.args.prefill_bootstrap_port, timeout_s=3.0)
         except OSError:
             return
         try:
-            conn.sock.settimeout(1.0)
+            conn.sock.settimeout(3.0)
             conn.request({"op": "deregister", "endpoint": self.endpoint, "agent_name": self.agent_name})
         except (OSError, WireError):
             log.warning("deregistration from the prefill's bootstrap server failed", exc_info=True)
@@ -389,8 +389,8 @@ class DecodeEngine:
         self.api.shutdown()
         self.api.server_close()
         self._thread.join(2.0)
+        self._deregister()  # before anything slower: a starved CPU must not cost the prefill this news
         self.boot.stop()
-        self._deregister()
         self.status.stop()
         if self.tp is not None:
             self.tp.close()

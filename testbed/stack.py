@@ -40,6 +40,8 @@ IDLE_WAIT_S = 30.0
 # A decode leaving in order waits at most this long for its requests to finish (and a restarted
 # or new one for its first request to complete).
 DRAIN_WAIT_S = 60.0
+# A decode sent SIGTERM to leave in order gets this long to exit before it is killed.
+LEAVE_WAIT_S = 15.0
 
 
 def _waited(proc: subprocess.Popen[bytes], timeout_s: float) -> bool:
@@ -221,7 +223,8 @@ class Stack(StackBase):
         proc = self.engines[instance]
         t = time.time()
         proc.begin_stop()
-        exited = proc.proc is not None and _waited(proc.proc, self.stop_timeout_s)
+        # Its clean exit (deregistration, final heartbeat) takes seconds on a starved CPU: wait for it.
+        exited = proc.proc is not None and _waited(proc.proc, max(self.stop_timeout_s, LEAVE_WAIT_S))
         if not exited:
             proc.kill()
         return self._event("left", instance=instance, t=t, drained=drained, exited=exited,
