@@ -45,11 +45,14 @@ def table(rows: list[list[str]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=2, help="runs per scenario (default 2)")
-    ap.add_argument("--scenarios", default="", help="comma-separated subset (default: all registered)")
+    ap.add_argument("--scenarios", default="",
+                    help="comma-separated subset (default: all registered but the ordinary day's, which "
+                         "bench/ordinary_day.py runs)")
     args = ap.parse_args(argv)
     if args.runs < 1:
         ap.error("--runs must be at least 1")
-    names = [n for n in args.scenarios.split(",") if n] or list(scenarios.SCENARIOS)
+    names = [n for n in args.scenarios.split(",") if n] or [n for n in scenarios.SCENARIOS
+                                                             if n not in scenarios.ordinary()]
     for n in names:
         scenarios.get(n)  # unknown names fail before anything starts
     logging.basicConfig(level=logging.WARNING)

@@ -60,7 +60,18 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--drain-s", type=float, default=5.0,
                     help="after the load ends, wait this long for open requests to finish (default 5)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--list", action="store_true",
+                    help="print every scenario of every engine, one a line (ordinary-day ones marked), and exit")
     return ap
+
+
+def _listing() -> str:
+    lines = []
+    for engine, table in ENGINES.items():
+        for s in table.values():
+            kind = "ordinary" if scenarios.ORDINARY in s.tags else (s.family or "-")
+            lines.append(f"{engine:<9} {s.name:<18} {kind:<18} {s.description}")
+    return "\n".join(lines)
 
 
 def _line(t: float, truth: Truth) -> str:
@@ -79,6 +90,9 @@ def _line(t: float, truth: Truth) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
+    if args.list:
+        print(_listing())
+        return 0
     if args.scenario not in ENGINES[args.engine]:
         ap.error(f"scenario {args.scenario!r} does not exist for --engine {args.engine} "
                  f"(choose from {', '.join(sorted(ENGINES[args.engine]))})")

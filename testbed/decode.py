@@ -8,7 +8,10 @@ arrived; waits for room in the running batch (`queued`); and generates tokens
 at a steady rate, streaming each to the router (`decode`).
 
 Every start gets a new NIXL agent name, as a restarted SGLang decode does, but
-keeps its endpoint (the router and the prefill know it by that).
+keeps its endpoint (the router and the prefill know it by that). A clean exit
+(SIGTERM) deregisters the endpoint from the prefill's bootstrap server, so a
+decode that leaves in order and starts again is known by its new agent; a
+killed one cannot, which is the `decode-restart` incident.
 """
 
 from __future__ import annotations
@@ -160,7 +163,8 @@ class DecodeEngine:
         if op == "stats":
             return {"ok": True, "kv_bytes_checked": self.kv_bytes_checked, "agent": self.agent_name,
                     "free_slots": self.pool.free_count, "leaked_slots": self.leaked_slots,
-                    "held": self.held()}
+                    "held": self.held(), "recorder_open": self.rec.stats()["open"],
+                    "heartbeats": self.rec.heartbeat_seq}
         if op == "kv_leak":
             # Read by the scheduler thread on its next step; a bool store is atomic.
             self.kv_leak = True
@@ -366,11 +370,26 @@ class DecodeEngine:
         return {"role": "decode", "instance": self.args.instance, "agent": self.agent_name,
                 "api_port": self.api.port, "endpoint": self.endpoint}
 
+    def _deregister(self) -> None:
+        """Tell the prefill's bootstrap server this endpoint's agent is gone (best effort, bounded)."""
+        try:
+            conn = Conn.connect(self.args.prefill_bootstrap_port, timeout_s=3.0)
+        except OSError:
+            return
+        try:
+            conn.sock.settimeout(3.0)
+            conn.request({"op": "deregister", "endpoint": self.endpoint, "agent_name": self.agent_name})
+        except (OSError, WireError):
+            log.warning("deregistration from the prefill's bootstrap server failed", exc_info=True)
+        finally:
+            conn.close()
+
     def shutdown(self) -> None:
         self._stop.set()
         self.api.shutdown()
         self.api.server_close()
         self._thread.join(2.0)
+        self._deregister()  # before anything slower: a starved CPU must not cost the prefill this news
         self.boot.stop()
         self.status.stop()
         if self.tp is not None:

@@ -8,10 +8,12 @@ the NIXL WRITE to the decode's slot is DONE. Like SGLang, nothing times out a
 leg in `transfer`.
 
 The bootstrap state keeps "decode endpoint -> remote NIXL agent" from the
-first time it sees that decode and never refreshes it. After a decode restarts
-alone (new agent, same endpoint), every transfer to it targets the old agent
-and fails inside the KV sender, which only logs and counts the error: the leg
-stays in `transfer` for good. That is the incident the testbed reproduces.
+first time it sees that decode and refreshes it only when that decode
+deregisters, which it does on a clean exit (SIGTERM) alone. After a decode is
+killed and restarted (new agent, same endpoint), every transfer to it targets
+the old agent and fails inside the KV sender, which only logs and counts the
+error: the leg stays in `transfer` for good. That is the incident the testbed
+reproduces; a decode that leaves in order and comes back is served again.
 """
 
 from __future__ import annotations
@@ -75,8 +77,16 @@ class BootstrapPeers:
     def __init__(self, agent: nixl_agent):
         self.agent = agent
         self.by_endpoint: dict[str, str] = {}
+        # Endpoints whose decode left in order (deregistered), from the bootstrap server's threads.
+        self.left: queue.SimpleQueue[str] = queue.SimpleQueue()
+
+    def forget(self, endpoint: str) -> None:
+        """The decode at `endpoint` left in order: learn its agent again when it next registers."""
+        self.left.put(endpoint)
 
     def resolve(self, reg: Message) -> str:
+        while not self.left.empty():
+            self.by_endpoint.pop(self.left.get_nowait(), None)
         endpoint = reg["endpoint"]
         known = self.by_endpoint.get(endpoint)
         if known is not None:
@@ -263,6 +273,10 @@ class PrefillEngine:
         return {"ok": False, "error": f"unknown op {op!r}"}
 
     def _on_bootstrap(self, msg: Message, conn: Conn) -> Message:
+        if msg.get("op") == "deregister" and isinstance(msg.get("endpoint"), str):
+            # A decode's clean exit (what an orderly scale-down or rolling restart does); a killed one never says it.
+            self.sender.peers.forget(msg["endpoint"])
+            return {"ok": True}
         if msg.get("op") != "register":
             return {"ok": False, "error": f"unknown op {msg.get('op')!r}"}
         missing = [k for k in ("room", "endpoint", "agent_name", "agent_metadata", "addr", "nbytes") if k not in msg]

@@ -152,6 +152,46 @@ class Router(StackClient):
         self._prefill_lock = threading.Lock()
         self._streams: set[Conn] = set()
 
+    # ---- the decodes it routes to ------------------------------------------
+
+    @property
+    def routed(self) -> list[str]:
+        """The decodes new requests go to now, in round-robin order."""
+        with self._lock:
+            return list(self._order)
+
+    def add(self, instance: str, port: int) -> None:
+        """Route new requests to `instance` (at `port`) too, as a Service adds a ready endpoint."""
+        with self._lock:
+            self.decodes[instance] = port
+            if instance not in self._order:
+                self._order = sorted([*self._order, instance])
+
+    def remove(self, instance: str, *, if_idle_since: float | None = None,
+               then: Callable[[], None] | None = None) -> bool:
+        """Send no new request to `instance`; its requests in flight finish where they are.
+
+        With `if_idle_since` (wall clock), only when none of its requests is open and none was sent
+        since then (else False, nothing changed). `then` runs while no request can be routed, before
+        the removal: a kill there lands on a decode the router is sure holds nothing.
+        """
+        with self._lock:
+            if instance not in self._order:
+                return False
+            if if_idle_since is not None and any(r.decode == instance and (r.done_at is None or
+                                                                          r.sent_at >= if_idle_since)
+                                                 for r in self.records):
+                return False
+            if then is not None:
+                then()
+            self._order = [d for d in self._order if d != instance]
+            return True
+
+    def open_on(self, instance: str) -> int:
+        """Requests sent to `instance` and not finished yet."""
+        with self._lock:
+            return sum(1 for r in self.records if r.decode == instance and r.done_at is None)
+
     # ---- sending ---------------------------------------------------------
 
     def _prefill_call(self, msg: Message) -> None:
@@ -175,6 +215,9 @@ class Router(StackClient):
         """Start one request; its stream is read on a thread of its own."""
         with self._lock:
             if not self._admit(sum(1 for r in self.records if r.done_at is None)):
+                return None
+            if not self._order:
+                self.rejected += 1  # every decode is out of the router (a scale-down to zero)
                 return None
             room = self.ids.getrandbits(63)
             decode = self._order[self._rr % len(self._order)]
@@ -266,6 +309,7 @@ class LoadGenerator:
         self.duration_s = duration_s
         self.max_requests = max_requests
         self.sent = 0
+        self._resume_at = 0.0  # monotonic: no request goes out before it (pause)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="load-generator", daemon=True)
 
@@ -278,12 +322,26 @@ class LoadGenerator:
         for i in range(self.max_requests):
             if self._stop.wait(max(0.0, next_at - time.monotonic())):
                 return
+            while (resume_at := self._resume_at) > time.monotonic():  # paused: the arrivals resume after it
+                if self._stop.wait(resume_at - time.monotonic()):
+                    return
+                next_at = max(next_at, resume_at)
             if self.duration_s is not None and time.monotonic() - t0 >= self.duration_s:
                 return
             prompt_tokens, max_tokens = self.shape(self.rng, i)
             if self.router.send(prompt_tokens, max_tokens) is not None:
                 self.sent += 1
             next_at += self.rng.expovariate(self.rate)
+
+    def set_rate(self, rate: float) -> None:
+        """Arrivals at `rate` per second from the next one on."""
+        if not rate > 0:
+            raise ValueError(f"rate must be positive, got {rate}")
+        self.rate = rate  # read by the sending thread at each arrival; a float store is atomic
+
+    def pause(self, seconds: float) -> None:
+        """No arrival for `seconds` from now (the duration keeps counting)."""
+        self._resume_at = time.monotonic() + seconds
 
     def stop(self) -> None:
         self._stop.set()

@@ -5,6 +5,9 @@ engine arguments per instance, and timed actions on the running stack. New
 ones (freeze-decode, tp-desync, kv-starvation, burst, total-wedge) register
 here without touching the stack: `register(Scenario(...))`. The live SGLang
 stack keeps its own `Catalogue` of the same `Scenario`s (`sglang_pd/scenarios.py`).
+Scenarios tagged `ordinary` are an ordinary day of a PD cluster (scale-down,
+scale-up, rolling restart, an idle decode killed, overload, an idle spell):
+none of them may page or leave a stuck leg.
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ class Params:
     decode_floor_s: float = 30.0
     token_interval_s: float = 0.05
     burst_size: int = 40  # requests the `burst` action sends at once
+    overload_s: float = 90.0  # how long the `overload` action sends above capacity
+    overload_factor: float = 8.0  # times the rate it sends at meanwhile
+    idle_s: float = 120.0  # how long the `idle` action sends nothing
 
 
 # (seconds after the load starts, action name, instance): the Stack calls `_action_<name>(instance)`.
@@ -54,6 +60,8 @@ class Scenario:
     tags: tuple[str, ...] = field(default_factory=tuple)
     # The request rate the CLI uses for this scenario unless told otherwise (None: the engine's default).
     rate: float | None = None
+    # (params) -> the most times `rate` its actions send at (the stack's request bound is sized for it).
+    peak_factor: Callable[[Params], float] = lambda params: 1.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "description", " ".join(self.description.split()))  # frozen: set once, here
@@ -173,3 +181,37 @@ register(Scenario("total-wedge", actions=at_fault("restart", "decode-0", "decode
                   description="""
     every decode is restarted alone at restart_at; the prefill's bootstrap state names their old NIXL agents,
     so every later request hangs in transfer and nothing finishes anywhere"""))
+
+
+# An ordinary day: what operators and autoscalers do to a healthy cluster. Nothing here may page.
+ORDINARY = "ordinary"
+register(Scenario("scale-down", actions=at_fault("scale_down", "decode-0"), tags=(ORDINARY,), description="""
+    at restart_at decode-0 is taken out of the router, drained (its requests finish; bounded wait), then sent
+    SIGTERM: its clean exit sends the recorder's final heartbeat, so it departs, while decode-1 serves on"""))
+register(Scenario("scale-up", actions=at_fault("scale_up", "decode-2"), tags=(ORDINARY,), description="""
+    at restart_at a new decode, decode-2, starts and joins the router while the load flows; it serves its share
+    from then on"""))
+register(Scenario("rolling-restart", actions=at_fault("rolling_restart", "decode"), tags=(ORDINARY,),
+                  description="""
+    from restart_at every decode in turn is taken out of the router, drained, sent SIGTERM (it deregisters from
+    the prefill's bootstrap server and departs), started again and put back once ready; the next waits until a
+    request to the restarted one completed"""))
+register(Scenario("kill-idle", actions=at_fault("kill_idle", "decode-0"), rate=1.0, tags=(ORDINARY,),
+                  description="""
+    from restart_at, at the first moment decode-0 holds nothing and its recorder has sent two heartbeats
+    saying so (bounded wait), it is SIGKILLed and taken out of the router, as a Service drops a dead pod: down
+    with nothing open, a warning"""))
+register(Scenario("overload", engine_args=args_on("decode", "--max-running", "1"), rate=0.5,
+                  actions=at_fault("overload", "router"), peak_factor=lambda params: params.overload_factor,
+                  tags=(ORDINARY,), description="""
+    decodes run one request at a time (about 2 req/s together, at 0.5 req/s by default); at restart_at
+    arrivals go to overload_factor (8) times the rate for overload_s (90 s), about twice what the decodes
+    serve, then back: the queues grow for a minute and more, in arrival order, and drain"""))
+register(Scenario("idle", actions=at_fault("idle", "router"), tags=(ORDINARY,), description="""
+    at restart_at arrivals stop for idle_s (120 s), longer than every window the sidecar and the rules keep
+    (flow window, the rules' ranges), then resume: the engines heartbeat idle, then serve again"""))
+
+
+def ordinary() -> list[str]:
+    """The ordinary-day scenarios' names, in catalogue order."""
+    return [name for name, sc in SCENARIOS.items() if ORDINARY in sc.tags]

@@ -15,10 +15,12 @@ from __future__ import annotations
 import random
 import shutil
 import signal
+import subprocess
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pdwatch import contract as c
 
@@ -27,14 +29,28 @@ from .gpu_emulation import GpuEmulator
 from .gpu_feed import Feed, GpuFeed
 from .processes import EngineProcess, EngineStartError, free_port
 from .router import Router, Truth
-from .stack_base import StackArgs, StackBase
+from .stack_base import Event, StackArgs, StackBase
 from .wire import Conn
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-# desync-idle waits at most this long for its instance to hold no request.
+# desync-idle and kill-idle wait at most this long for their instance to hold no request.
 IDLE_WAIT_S = 30.0
+# A decode leaving in order waits at most this long for its requests to finish (and a restarted
+# or new one for its first request to complete).
+DRAIN_WAIT_S = 60.0
+# A decode sent SIGTERM to leave in order gets this long to exit before it is killed.
+LEAVE_WAIT_S = 15.0
+
+
+def _waited(proc: subprocess.Popen[bytes], timeout_s: float) -> bool:
+    """Whether the process exited within timeout_s."""
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        return False
+    return True
 
 
 class Stack(StackBase):
@@ -43,8 +59,9 @@ class Stack(StackBase):
     defaults = StackArgs(rate=4.0, restart_at=8.0, traceparent=False, token_interval_s=0.05, ready_timeout_s=30.0,
                          stop_timeout_s=5.0)
 
-    def __init__(self, scenario: str, *, gpus: GpuEmulator | None = None, **args: Unpack[StackArgs]):
-        super().__init__(scenario, **args)
+    def __init__(self, scenario: str, *, gpus: GpuEmulator | None = None, tuning: Mapping[str, Any] | None = None,
+                 **args: Unpack[StackArgs]):
+        super().__init__(scenario, tuning=tuning, **args)
         self.tp = self.scenario.tp_groups(self.params)  # decode instance -> TP size
         for name, size in self.tp.items():
             if name not in self.decode_names or size not in (1, 2):
@@ -180,6 +197,177 @@ class Stack(StackBase):
             if self.router.send(prompt, out) is not None:
                 sent += 1
         self._event("burst", sent=sent)
+
+    # ---- an ordinary day: what operators and autoscalers do ----------------------
+
+    def _routed(self) -> Router:
+        if not isinstance(self.router, Router):
+            raise RuntimeError("the stack has no router yet")
+        return self.router
+
+    def _drain(self, instance: str) -> bool:
+        """Until neither the router nor the decode holds a request of it (bounded by DRAIN_WAIT_S)."""
+        router = self._routed()
+        deadline = time.monotonic() + DRAIN_WAIT_S
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            if router.open_on(instance) == 0 and self._held(instance) == 0:
+                return True
+            time.sleep(0.05)
+        return False
+
+    def _leave_in_order(self, instance: str) -> Event:
+        """Out of the router, drained, then SIGTERM, as Kubernetes ends a pod; returns once it exited."""
+        self._check_restartable(instance)
+        self._routed().remove(instance)
+        drained = self._drain(instance)
+        proc = self.engines[instance]
+        t = time.time()
+        proc.begin_stop()
+        # Its clean exit (deregistration, final heartbeat) takes seconds on a starved CPU: wait for it.
+        exited = proc.proc is not None and _waited(proc.proc, max(self.stop_timeout_s, LEAVE_WAIT_S))
+        if not exited:
+            proc.kill()
+        return self._event("left", instance=instance, t=t, drained=drained, exited=exited,
+                           exit_status=proc.proc.returncode if proc.proc is not None else None)
+
+    def _start_again(self, instance: str) -> None:
+        """Start a decode that left on its old ports (a new NIXL agent) and wait until it is ready."""
+        proc = self.engines[instance]
+        with self._proc_lock:  # stop() must not miss a process spawned while it runs
+            if self._stopped:
+                raise RuntimeError("the stack is stopped")
+            self._before_respawn(instance)
+            proc.spawn()
+        proc.wait_ready(self.ready_timeout_s, cancel=self._stop)
+
+    def _served_since(self, instance: str, t: float) -> bool:
+        """Until a request sent to `instance` at or after `t` completed ok (bounded by DRAIN_WAIT_S)."""
+        deadline = time.monotonic() + DRAIN_WAIT_S
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            if any(r.decode == instance and r.sent_at >= t and r.outcome == "ok" for r in self.truth().requests):
+                return True
+            time.sleep(0.1)
+        return False
+
+    def _action_scale_down(self, instance: str) -> None:
+        """Taken out of the router, drained, SIGTERM: the decode leaves for good."""
+        left = self._leave_in_order(instance)
+        self._event("scale_down", instance=instance, drained=left["drained"], exited=left["exited"])
+
+    def _action_scale_up(self, instance: str) -> None:
+        """A new decode starts and joins the router once ready (the load keeps flowing meanwhile)."""
+        if instance in self.engines:
+            raise ValueError(f"{instance} already exists")
+        t = time.time()
+        with self._proc_lock:
+            if self._stopped:
+                raise RuntimeError("the stack is stopped")
+            self.decode_names.append(instance)
+            proc = self._engine(instance, "decode", self._decode_args(instance))
+            proc.spawn()
+        proc.wait_ready(self.ready_timeout_s, cancel=self._stop)
+        if self._feed is not None:
+            self._feed.add(Feed(self.gpu_of[instance], self._status_path(instance), proc.live_pid))
+        joined = time.time()
+        self._routed().add(instance, proc.info["api_port"])
+        self._event("scale_up", instance=instance, t=joined, agent=proc.info.get("agent"),
+                    ready_after_s=round(joined - t, 3), served=self._served_since(instance, joined))
+
+    def _action_rolling_restart(self, instance: str) -> None:
+        """Every decode the router sends to (`instance`: unused, "decode"), one at a time: out of the
+        router, drained, SIGTERM, started again, back in; the next once the last one served a request."""
+        router = self._routed()
+        for name in router.routed:
+            if self._stop.is_set():
+                return
+            left = self._leave_in_order(name)
+            router.note_restart(name, left["t"])
+            old_agent = self.agents().get(name)
+            self._start_again(name)
+            back = time.time()
+            router.add(name, self.engines[name].info["api_port"])
+            self._event("restart", instance=name, t=left["t"], orderly=True, drained=left["drained"],
+                        exited=left["exited"], old_agent=old_agent, new_agent=self.agents().get(name),
+                        ready_after_s=round(back - left["t"], 3), served=self._served_since(name, back))
+        self._event("rolling_restart_done", instances=router.routed)
+
+    def _stats(self, instance: str) -> dict[str, Any] | None:
+        """The decode's own counts (None: it does not answer)."""
+        try:
+            conn = Conn.connect(self.engines[instance].info["api_port"], timeout_s=1.0)
+        except (OSError, KeyError):
+            return None
+        try:
+            conn.sock.settimeout(2.0)
+            return conn.request({"op": "stats"})
+        except OSError:
+            return None
+        finally:
+            conn.close()
+
+    def _held(self, instance: str) -> int | None:
+        """Requests the decode holds now, by its own count (None: it does not answer)."""
+        stats = self._stats(instance)
+        return None if stats is None or stats.get("held") is None else int(stats["held"])
+
+    def _idle_since(self, instance: str) -> float | None:
+        """A wall-clock time since which the decode has held nothing and its recorder has sent two
+        heartbeats that listed nothing (None: it held something meanwhile, or did not answer)."""
+        t = time.time()
+        first = self._stats(instance)
+        if not first or first.get("held") != 0 or first.get("recorder_open") != 0:
+            return None
+        deadline = time.monotonic() + 4 * self.heartbeat_s + 1.0
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            now = self._stats(instance)
+            if not now or now.get("held") != 0 or now.get("recorder_open") != 0:
+                return None
+            if now["heartbeats"] >= first["heartbeats"] + 2:  # the first built after t went out before this one
+                return t
+            time.sleep(0.05)
+        return None
+
+    def _action_kill_idle(self, instance: str) -> None:
+        """SIGKILL at a moment the decode holds nothing and its last heartbeat said so (bounded wait; else
+        at once), then out of the router, as a Service drops a dead pod."""
+        router, proc = self._routed(), self.engines[instance]
+        deadline = time.monotonic() + IDLE_WAIT_S
+        idle = False
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            since = self._idle_since(instance)
+            # The kill happens under the router's lock, and only if nothing was routed to it since:
+            # no request can reach it in between.
+            if since is not None and router.remove(instance, if_idle_since=since,
+                                                   then=lambda: proc.signal(signal.SIGKILL)):
+                idle = True
+                break
+            time.sleep(0.02)
+        t = time.time()
+        if not idle:
+            proc.signal(signal.SIGKILL)
+            router.remove(instance)
+        proc.kill()  # reaps it
+        self._event("kill_idle", instance=instance, t=t, idle=idle)
+
+    def _action_overload(self, instance: str) -> None:
+        """Arrivals at overload_factor times the rate for overload_s, then back (instance: unused, "router")."""
+        if self.loadgen is None:
+            return
+        peak = self.params.rate * self.params.overload_factor
+        self.loadgen.set_rate(peak)
+        self._event("overload", rate=peak, seconds=self.params.overload_s)
+        self._stop.wait(self.params.overload_s)
+        self.loadgen.set_rate(self.params.rate)
+        self._event("overload_end", rate=self.params.rate)
+
+    def _action_idle(self, instance: str) -> None:
+        """No arrival for idle_s, then the load resumes (instance: unused, "router")."""
+        if self.loadgen is None:
+            return
+        self.loadgen.pause(self.params.idle_s)
+        self._event("idle", seconds=self.params.idle_s)
+        if not self._stop.wait(self.params.idle_s):
+            self._event("idle_end")
 
     # ---- stop ------------------------------------------------------------------
 

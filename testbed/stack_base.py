@@ -16,6 +16,8 @@ import signal
 import threading
 import time
 import weakref
+from collections.abc import Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, ClassVar, TypedDict, TypeVar
 
 from pdwatch import contract as c
@@ -71,7 +73,7 @@ class StackBase:
     catalogue: ClassVar[Catalogue]
     defaults: ClassVar[StackArgs]  # rate, restart_at, traceparent, token_interval_s, ready and stop timeouts
 
-    def __init__(self, scenario: str, **given: Unpack[StackArgs]):
+    def __init__(self, scenario: str, *, tuning: Mapping[str, Any] | None = None, **given: Unpack[StackArgs]):
         unknown = sorted(set(given) - StackArgs.__optional_keys__)
         if unknown:
             raise TypeError(f"{type(self).__name__}() got unexpected keyword arguments: {', '.join(unknown)}")
@@ -93,6 +95,8 @@ class StackBase:
             raise ValueError(f"otlp_endpoint must be a loopback http URL, got {otlp_endpoint!r}")
         self.params = Params(rate=rate, restart_at=restart_at, decode_floor_s=decode_floor_s,
                              token_interval_s=token_interval_s)
+        if tuning:  # the scenario's other knobs (Params' fields: overload_s, idle_s, ...)
+            self.params = replace(self.params, **tuning)
         self.decode_names = [f"decode-{i}" for i in range(args["decodes"])]
         self.otlp_endpoint = otlp_endpoint
         self.heartbeat_s = args["heartbeat_s"]
@@ -107,7 +111,7 @@ class StackBase:
         if max_requests is None:
             # Bounded even when no duration is given: one hour at the rate.
             horizon = duration_s if duration_s is not None else 3600.0
-            max_requests = math.ceil(rate * horizon * 1.5) + 10
+            max_requests = math.ceil(rate * self.scenario.peak_factor(self.params) * horizon * 1.5) + 10
         self.max_requests = max_requests
         self.engines: dict[str, EngineProcess] = {}
         self.router: StackClient | None = None

@@ -151,6 +151,90 @@ def test_stale_bootstrap_peer_keeps_naming_the_old_agent_of_a_restarted_decode()
     assert pools[0].alloc() == 0 and pools[0].free_count == 1
 
 
+def test_a_decode_that_deregistered_is_learned_again_by_its_new_agent():
+    from pdwatch.testbed.prefill import BootstrapPeers
+
+    prefill = kv.make_agent("t2-prefill")
+    old, new = kv.make_agent("t2-decode-0-old"), kv.make_agent("t2-decode-0-new")
+    pools = [kv.SlotPool(agent, 2, 4096) for agent in (prefill, old, new)]
+    peers = BootstrapPeers(prefill)
+
+    def reg(agent, pool):
+        return {"endpoint": "127.0.0.1:1235", "agent_name": agent.name, "agent_metadata": kv.metadata_b64(agent),
+                "addr": pool.addr(0), "nbytes": pool.slot_bytes}
+
+    assert peers.resolve(reg(old, pools[1])) == "t2-decode-0-old"
+    peers.forget("127.0.0.1:9")  # another endpoint's leave changes nothing here
+    assert peers.resolve(reg(new, pools[2])) == "t2-decode-0-old"
+    peers.forget("127.0.0.1:1235")  # its clean exit
+    assert peers.resolve(reg(new, pools[2])) == "t2-decode-0-new"
+
+
+def test_router_adds_and_removes_decodes_and_removes_an_idle_one_only_when_nothing_went_to_it_since():
+    dead = free_port()
+    router = Router(dead, {"decode-0": dead, "decode-1": dead}, seed=4)
+    try:
+        assert router.routed == ["decode-0", "decode-1"]
+        assert router.remove("decode-0") and not router.remove("decode-0")
+        assert [router.send(10, 1).decode for _ in range(2)] == ["decode-1", "decode-1"]
+        router.add("decode-2", dead)
+        assert router.routed == ["decode-1", "decode-2"]
+        assert {router.send(10, 1).decode for _ in range(2)} == {"decode-1", "decode-2"}
+        deadline = time.monotonic() + 5
+        while router.truth().open and time.monotonic() < deadline:  # each fails at once: nothing listens
+            time.sleep(0.01)
+        assert router.open_on("decode-2") == 0
+        killed = []
+        since = time.time()
+        router.send(10, 1)  # the round robin's next is decode-1, sent after `since`
+        assert not router.remove("decode-1", if_idle_since=since, then=lambda: killed.append("decode-1"))
+        assert router.remove("decode-2", if_idle_since=since, then=lambda: killed.append("decode-2"))
+        assert killed == ["decode-2"] and router.routed == ["decode-1"]
+        assert router.remove("decode-1")
+        assert router.send(10, 1) is None and router.rejected == 1  # no decode left to route to
+    finally:
+        router.close()
+
+
+def test_load_generator_changes_rate_and_pauses():
+    sent = []
+
+    class Recording:
+        def send(self, prompt_tokens, max_tokens):
+            sent.append(time.monotonic())
+            return sent[-1]
+
+    gen = LoadGenerator(Recording(), lambda rng, i: (1, 1), rate=1000.0, seed=1, duration_s=None, max_requests=10_000)
+    gen.pause(0.5)
+    t0 = time.monotonic()
+    gen.start()
+    try:
+        deadline = time.monotonic() + 5
+        while not sent and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sent and sent[0] - t0 >= 0.45  # nothing during the pause
+        gen.set_rate(0.001)  # from the next arrival on: about none
+        time.sleep(0.2)
+        n = len(sent)
+        time.sleep(0.3)
+        assert len(sent) <= n + 1
+        with pytest.raises(ValueError):
+            gen.set_rate(0)
+    finally:
+        gen.stop()
+
+
+def test_ordinary_scenarios_are_tagged_and_size_the_request_bound_for_their_peak():
+    assert scenarios.ordinary() == ["scale-down", "scale-up", "rolling-restart", "kill-idle", "overload", "idle"]
+    assert all(scenarios.get(n).family is None for n in scenarios.ordinary())
+    base = Stack("healthy", rate=2.0, duration_s=100.0)
+    peak = Stack("overload", rate=2.0, duration_s=100.0, tuning={"overload_factor": 4.0, "overload_s": 30.0})
+    assert peak.params.overload_factor == 4.0 and peak.params.overload_s == 30.0
+    assert peak.max_requests - 10 == 4 * (base.max_requests - 10)
+    with pytest.raises(TypeError):
+        Stack("idle", tuning={"no_such_knob": 1.0})
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"rate": 0}, "rate"),
     ({"heartbeat_s": -1}, "heartbeat_s"),
@@ -169,6 +253,10 @@ def test_cli_help_lists_the_scenarios(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert "--otlp-endpoint" in out and "decode-restart" in out and "long-decode" in out
+    assert cli.main(["--list"]) == 0
+    listed = [line.split() for line in capsys.readouterr().out.splitlines()]
+    ordinary = {words[1] for words in listed if words[0] == "emulated" and words[2] == "ordinary"}
+    assert ordinary == set(scenarios.ordinary())
     with pytest.raises(SystemExit) as e:
         cli.main(["--scenario", "nope"])
     assert e.value.code == 2
