@@ -1,6 +1,6 @@
 """An ordinary day of PD clusters pages nothing; an incident in the same run still pages.
 
-One real `pdwatch serve` with the incident tests' floors and heartbeat, Debian's
+One real `pdwatch serve` with the incident tests' floors, Debian's
 Prometheus with alerts/pdwatch-alerts.yml, Alertmanager with
 alerts/alertmanager.example.yml and a webhook receiver. Each ordinary-day
 scenario of the emulated testbed runs as its own cluster, all at once, beside
@@ -33,8 +33,10 @@ from pdwatch.testbed.sidecar_process import SidecarProcess
 
 pytestmark = pytest.mark.integration
 
-# As tests/integration/test_alerting.py.
-HEARTBEAT_S = 0.5
+# The floors as tests/integration/test_alerting.py's; heartbeats at 1 s rather than its 0.5 s (the
+# default is 2 s): seven clusters at once on two cores once starved a 0.5 s heartbeat past the 1.5 s
+# after which an instance is down, and a draining queue's decode then read as silent while it held legs.
+HEARTBEAT_S = 1.0
 FLOOR_TRANSFER_S = 4.0
 FLOOR_DECODE_S = 3.0
 FLOW_WINDOW_S = 10.0
@@ -160,7 +162,7 @@ def _state_polls(day: Day, cluster: str, instance: str) -> list[tuple[Poll, dict
 def test_the_watch_polled_a_new_judge_tick_about_every_second_from_first_start_to_last_end(day):
     assert day.polls[0].t <= day.started_at and day.polls[-1].t >= day.ended_at
     gaps = [b.t - a.t for a, b in zip(day.polls, day.polls[1:])]
-    assert len(day.polls) >= (day.ended_at - day.started_at) / 2 and max(gaps) < 5, (len(day.polls), max(gaps))
+    assert len(day.polls) >= (day.ended_at - day.started_at) / 2 and max(gaps) < 8, (len(day.polls), max(gaps))
     assert all(b.judged_at > a.judged_at for a, b in zip(day.polls, day.polls[1:]))  # a new tick each time
 
 
