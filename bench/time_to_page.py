@@ -106,27 +106,8 @@ def one_run(args, scenario: str, seed: int) -> dict:
 OVERTAKEN_OFF_M = 1e9
 
 
-def evidence_at(leg: dict, legs: list[dict], *, k: int, m: float, interval_s: float) -> float | None:
-    """When the overtaken evidence against `leg` (open in its stage) was complete, wall clock: the first
-    moment at least k legs of its role and instance that entered the stage after it, with at least its
-    prompt tokens (and in bootstrap its peer), had left the stage, and it had waited past max(2 intervals, m x the longest of the k
-    quickest of them). None if never, as far as these legs' stages tell."""
-    since, size, stage = leg["stage_since_unix_s"], leg["prompt_tokens"], leg["stage"]
-    passes = sorted(
-        (st["end_unix_s"], st["duration_s"]) for other in legs
-        if other["role"] == leg["role"] and other["pd_instance"] == leg["pd_instance"]
-        and (other["prompt_tokens"] or -1) >= size and (stage != "bootstrap" or other["peer"] == leg["peer"])
-        for st in other["stages"]
-        if st["stage"] == stage and st["start_unix_s"] > since and st["end_unix_s"] and not st["error"])
-    done: list[float] = []
-    for end, duration in passes:
-        done = sorted([*done, duration])
-        if len(done) >= k:
-            return max(end, since + max(c.OVERTAKEN_INTERVALS * interval_s, m * done[k - 1]))
-    return None
-
-
 def live_run(args, overtaken: bool, seed: int) -> dict:
+    from pdwatch.testbed.overtaken_evidence import evidence_at
     from pdwatch.testbed.sglang_pd.stack import SglangStack
 
     env = {c.floor_env("transfer"): str(args.floor_transfer_s), c.ENV_LOG_LEVEL: "warning", c.ENV_NVML: "off"}
@@ -164,8 +145,7 @@ def live_run(args, overtaken: bool, seed: int) -> dict:
                 leg = next((x for x in legs if x["role"] == out["leg"]["role"]
                             and x.get("stage_since_unix_s") and x["rid"] == out["leg"]["rid"]), None)
                 if leg is not None:
-                    k = c.DEFAULT_OVERTAKEN_K
-                    out["evidence"] = evidence_at(leg, legs, k=k, m=c.DEFAULT_OVERTAKEN_M, interval_s=args.heartbeat_s)
+                    out["evidence"] = evidence_at(leg, legs, interval_s=args.heartbeat_s)
         finally:
             stack.stop()
     return out
