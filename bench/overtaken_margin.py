@@ -95,6 +95,8 @@ LIVE: dict[str, dict[str, Any]] = {
     "freeze-decode": {"seconds": 40.0, "rate": 2.0},
     "freeze-loop": {"seconds": 40.0, "rate": 2.0},
     "decode-restart": {"seconds": 150.0, "rate": 2.0},
+    # The ordinary day's steps one after another (several minutes), watched 20 s past its overload.
+    "ordinary-day": {"seconds": 900.0, "rate": 2.0, "watch_s": 20.0, "until": "overload_end"},
 }
 
 
@@ -161,7 +163,7 @@ def run_live(name: str, sc: InProcessSidecar, seed: int) -> tuple[Any, float | N
     from pdwatch.testbed.sglang_pd.stack import SglangStack
 
     args = dict(LIVE.get(name, LIVE["healthy"]))
-    seconds, watch_s = args.pop("seconds"), args.pop("watch_s", 10.0)
+    seconds, watch_s, until = args.pop("seconds"), args.pop("watch_s", 10.0), args.pop("until", None)
     stack = SglangStack(name, otlp_endpoint=sc.url, heartbeat_s=LIVE_HEARTBEAT_S, cluster=f"live-{name}",
                         duration_s=seconds, decode_floor_s=LIVE_FLOORS_S["decode"], restart_at=8.0, seed=seed,
                         **args)
@@ -174,6 +176,8 @@ def run_live(name: str, sc: InProcessSidecar, seed: int) -> tuple[Any, float | N
             for e in stack.poll_events():
                 if fault is None and e["event"] in LIVE_FAULTS:
                     fault = e["t"]
+                if e["event"] == until:
+                    deadline = min(deadline, time.monotonic() + watch_s)
         return stack.truth(), fault
     finally:
         stack.stop()
