@@ -716,7 +716,7 @@ def ordinary_day(live_world):
     return run, world, seen
 
 
-def test_an_ordinary_day_leaves_no_stuck_leg_and_pages_nothing(ordinary_day):
+def test_ordinary_day_leaves_no_stuck_leg_and_pages_nothing(ordinary_day):
     run, world, seen = ordinary_day
     failed = [e for e in run.events if e["event"] == "action_failed"]
     assert not failed and run.event("overload_end"), (failed, [e["event"] for e in run.events])
@@ -739,7 +739,7 @@ def test_an_ordinary_day_leaves_no_stuck_leg_and_pages_nothing(ordinary_day):
     assert not late, late[:5]
 
 
-def test_a_decode_that_leaves_in_order_is_departed_never_down(ordinary_day):
+def test_ordinary_day_a_decode_that_leaves_in_order_is_departed_never_down(ordinary_day):
     """Scale-down and each decode of the rolling restart: out of the router, drained, SIGTERM. SGLang exits
     on its own and the plugin's final heartbeat makes the instance departed; no poll saw it down."""
     run, _world, seen = ordinary_day
@@ -757,18 +757,20 @@ def test_a_decode_that_leaves_in_order_is_departed_never_down(ordinary_day):
     assert not downs, downs
 
 
-def test_a_decode_added_to_the_router_serves_and_requests_after_each_restart_complete(ordinary_day):
+def test_ordinary_day_a_decode_added_serves_and_requests_after_each_restart_complete(ordinary_day):
     run, _world, _seen = ordinary_day
     assert sum(samples(run.metrics, "pdwatch_requests_finished_total", pd_cluster=run.cluster,
                        pd_instance="decode-2", outcome="ok")) >= 5
     back = [e for e in run.events if e["event"] == "router_in"]
     assert len(back) == 3, back  # decode-2 added; decode-0 and decode-2 restarted
     for e in back:
-        later = [r for r in run.truth.requests if e["t"] < r.sent_at < e["t"] + 20]
-        assert later and all(r.outcome == "ok" for r in later), (e, [(r.outcome, r.reason) for r in later][:5])
+        # The next ten requests (the last one back in is followed by the idle period, then the load again).
+        later = [r for r in run.truth.requests if r.sent_at > e["t"]][:10]
+        assert len(later) == 10 and all(r.outcome == "ok" for r in later), \
+            (e, [(r.outcome, r.reason) for r in later])
 
 
-def test_a_decode_killed_holding_nothing_is_down_with_a_warning_only(ordinary_day):
+def test_ordinary_day_a_decode_killed_holding_nothing_is_down_with_a_warning_only(ordinary_day):
     run, _world, seen = ordinary_day
     killed = run.event("sigkilled")
     assert killed is not None and killed["instance"] == "decode-2", run.events
@@ -778,10 +780,10 @@ def test_a_decode_killed_holding_nothing_is_down_with_a_warning_only(ordinary_da
     warned = {a["metric"]["severity"] for p in after for a in p["silent"] if a["metric"].get("pd_instance") == "decode-2"}
     print(f"decode-2 down {next(p['t'] for p in after if p['states'].get('decode-2', ('',))[0] == 'down') - killed['t']:.1f} s "
           f"after the kill; PDEngineSilent for it: {warned}")
-    assert warned <= {"warning"}, warned
+    assert warned == {"warning"}, warned
 
 
-def test_an_overload_drains_in_order_and_names_nothing(ordinary_day):
+def test_ordinary_day_an_overload_drains_in_order_and_names_nothing(ordinary_day):
     run, _world, _seen = ordinary_day
     start, end = run.event("overload"), run.event("overload_end")
     during = [r for r in run.truth.requests if start["t"] < r.sent_at < end["t"]]
