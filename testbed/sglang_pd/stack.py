@@ -238,14 +238,20 @@ class SglangStack(StackBase):
         self._event("router_in", instance=instance, took_s=round(took, 3))
 
     def _drain(self, instance: str) -> None:
-        """Wait until the server holds no request (twice in a row: one may still be on its way to it)."""
-        server, t0, quiet = self.servers[instance], time.monotonic(), 0
-        while quiet < 2:
+        """Wait until the server has held no request for a heartbeat interval and a second: one may still be
+        on its way to it, and its last heartbeat must have said it holds nothing. (Killed sooner, a decode
+        that had just finished its last request was seen holding it: the heartbeat before the kill listed
+        the leg, and the leg's end was still in the exporter's queue.)"""
+        server, t0, quiet_since = self.servers[instance], time.monotonic(), None
+        while quiet_since is None or time.monotonic() - quiet_since < self.heartbeat_s + 1.0:
             if time.monotonic() - t0 > DRAIN_TIMEOUT_S:
                 raise EngineStartError(f"{instance} still holds requests after {DRAIN_TIMEOUT_S:.0f} s")
             if self._stop.wait(0.5):
                 return
-            quiet = quiet + 1 if held(server.ports.http) == 0 else 0
+            if held(server.ports.http) > 0:
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = time.monotonic()
         self._event("drained", instance=instance, took_s=round(time.monotonic() - t0, 3))
 
     def _sigterm(self, instance: str) -> None:
