@@ -14,6 +14,7 @@ from __future__ import annotations
 import http.client
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 Json = Any
@@ -77,7 +78,7 @@ class RouterWorkers:
         self._wait(lambda: bool((self.find(url) or {}).get("is_healthy")), f"{url} not listed healthy")
         return time.monotonic() - t0
 
-    def _wait(self, done, what: str) -> None:
+    def _wait(self, done: Callable[[], bool], what: str) -> None:
         deadline = time.monotonic() + self.timeout_s
         while not done():
             if time.monotonic() > deadline:

@@ -4,7 +4,7 @@ Real `sglang.launch_server` prefill and decode servers on this CPU (tiny model,
 random weights, KV over NIXL on loopback) with pdwatch's plugin loaded by
 SGLang's own `load_plugins()`, SGLang's router in front, a real `pdwatch
 serve`, Prometheus and Alertmanager. One stack at a time, one per scenario;
-about 10 minutes in all on two cores.
+about 10 minutes in all on two cores, and 7-10 more for the ordinary day.
 
 What the hand-built tests in tests/engine_patches/sglang still cover, and why,
 is listed at the top of test_plugin_behaviour.py.
