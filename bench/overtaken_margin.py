@@ -82,7 +82,7 @@ class InProcessSidecar:
 # The live pair: the live tests' settings (tests/live/conftest.py), and per scenario what its stack needs
 # beyond them: seconds of load and how long to watch after it (long generations end well after the load).
 LIVE_HEARTBEAT_S = 1.0
-LIVE_FLOORS_S = {"bootstrap": 10.0, "queued": 20.0, "prefill": 20.0, "transfer": 5.0, "decode": 5.0}
+LIVE_FLOORS_S = {"bootstrap": 10.0, "queued": 20.0, "prefill": 20.0, "transfer": 15.0, "decode": 5.0}
 LIVE_FLOW_WINDOW_S = 60.0
 LIVE_FAULTS = ("wedge", "wedge_long", "frozen", "loop_frozen", "killed")
 LIVE: dict[str, dict[str, Any]] = {
