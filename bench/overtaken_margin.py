@@ -12,7 +12,13 @@ requests that completed ok (any ratio above M there would have been a false stuc
 (hung, timed out, failed: the ones to catch). The sidecar's own judge runs with the defaults (or
 --k/--m), and every leg it named overtaken is counted on the same split.
 
+With --live, the scenarios are the live SGLang pair's (`pdwatch.testbed.sglang_pd`: real
+`sglang.launch_server` processes on this CPU, one stack at a time, about a minute to start each), with
+the live tests' settings (1 s heartbeats, so the rule's floor is 2 s); each also says how long after its
+fault the judge first named a leg overtaken.
+
     python bench/overtaken_margin.py [--scenarios a,b,...] [--k 5 --m 10] [--seed 1]
+    python bench/overtaken_margin.py --live [--scenarios healthy,transfer-wedge,...]
 """
 
 from __future__ import annotations
@@ -73,6 +79,27 @@ class InProcessSidecar:
         return r.json()
 
 
+# The live pair: the live tests' settings (tests/live/conftest.py), and per scenario what its stack needs
+# beyond them: seconds of load and how long to watch after it (long generations end well after the load).
+LIVE_HEARTBEAT_S = 1.0
+LIVE_FLOORS_S = {"bootstrap": 10.0, "queued": 20.0, "prefill": 20.0, "transfer": 15.0, "decode": 5.0}
+LIVE_FLOW_WINDOW_S = 60.0
+LIVE_FAULTS = ("wedge", "wedge_long", "frozen", "loop_frozen", "killed")
+LIVE: dict[str, dict[str, Any]] = {
+    "healthy": {"seconds": 60.0, "rate": 2.0},
+    "long-decode": {"seconds": 30.0, "rate": 1.0, "watch_s": 60.0, "token_interval_s": 0.008,
+                    "context_length": 4096},
+    "long-forward": {"seconds": 45.0, "rate": 2.0},
+    "transfer-wedge": {"seconds": 45.0, "rate": 2.0},
+    "long-prompt-wedge": {"seconds": 40.0, "rate": 1.5},
+    "freeze-decode": {"seconds": 40.0, "rate": 2.0},
+    "freeze-loop": {"seconds": 40.0, "rate": 2.0},
+    "decode-restart": {"seconds": 150.0, "rate": 2.0},
+    # The ordinary day's steps one after another (several minutes), watched while its overload's backlog drains.
+    "ordinary-day": {"seconds": 900.0, "rate": 2.0, "watch_s": 90.0, "until": "overload_end"},
+}
+
+
 def ratios(tracker: Tracker) -> dict[LegKey, tuple[bool, list[float]]]:
     """For each open leg the rule judges: whether it waited past the floor, and its wait / the longest of
     the k quickest overtakers."""
@@ -118,7 +145,7 @@ def keep_max(seen: dict[LegKey, list[float]], key: LegKey, rs: list[float]) -> N
 
 
 def watch(sc: InProcessSidecar, stop: threading.Event, seen: dict[LegKey, list[float]],
-          unfloored: dict[LegKey, list[float]], named: dict[LegKey, str]) -> None:
+          unfloored: dict[LegKey, list[float]], named: dict[LegKey, str], first: dict[str, float]) -> None:
     while not stop.wait(POLL_S):
         for key, (past_floor, rs) in sc.sidecar.worker.call(ratios, sc.sidecar.tracker).items():
             keep_max(unfloored, key, rs)
@@ -127,6 +154,33 @@ def watch(sc: InProcessSidecar, stop: threading.Event, seen: dict[LegKey, list[f
         for s in sc.sidecar.latest().stuck:
             if s.reason == c.REASON_OVERTAKEN:
                 named.setdefault((s.cluster, s.trace_id, s.role, s.stage), s.why)
+                first.setdefault("overtaken", time.time())
+            first.setdefault("stuck", time.time())
+
+
+def run_live(name: str, sc: InProcessSidecar, seed: int) -> tuple[Any, float | None]:
+    """One live SGLang scenario against the in-process sidecar: its truth, and when its fault struck."""
+    from pdwatch.testbed.sglang_pd.stack import SglangStack
+
+    args = dict(LIVE.get(name, LIVE["healthy"]))
+    seconds, watch_s, until = args.pop("seconds"), args.pop("watch_s", 10.0), args.pop("until", None)
+    stack = SglangStack(name, otlp_endpoint=sc.url, heartbeat_s=LIVE_HEARTBEAT_S, cluster=f"live-{name}",
+                        duration_s=seconds, decode_floor_s=LIVE_FLOORS_S["decode"], restart_at=8.0, seed=seed,
+                        **args)
+    fault = None
+    try:
+        stack.start()
+        deadline = time.monotonic() + seconds + watch_s
+        while time.monotonic() < deadline:
+            time.sleep(POLL_S)
+            for e in stack.poll_events():
+                if fault is None and e["event"] in LIVE_FAULTS:
+                    fault = e["t"]
+                if e["event"] == until:
+                    deadline = min(deadline, time.monotonic() + watch_s)
+        return stack.truth(), fault
+    finally:
+        stack.stop()
 
 
 def fmt(x: float | None) -> str:
@@ -135,34 +189,44 @@ def fmt(x: float | None) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--scenarios", default=",".join(scenarios.SCENARIOS))
+    ap.add_argument("--scenarios", default=None, help="comma-separated (default: every one of the testbed)")
+    ap.add_argument("--live", action="store_true", help="the live SGLang pair's scenarios, not the emulated ones")
     ap.add_argument("--k", type=int, default=c.DEFAULT_OVERTAKEN_K)
     ap.add_argument("--m", type=float, default=c.DEFAULT_OVERTAKEN_M)
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args()
-    floors = {f"floor_{stage}_s": s for stage, s in FLOORS_S.items()} | {"floor_decode_s": LONG_DECODE_FLOOR_S}
-    settings = Settings(evaluate_interval_s=0.25, flow_window_s=FLOW_WINDOW_S, nvml="off", log_level="warning",
+    if args.live:
+        floors = {f"floor_{stage}_s": s for stage, s in LIVE_FLOORS_S.items()}
+        flow_window_s, names = LIVE_FLOW_WINDOW_S, args.scenarios or ",".join(LIVE)
+    else:
+        floors = {f"floor_{stage}_s": s for stage, s in FLOORS_S.items()} | {"floor_decode_s": LONG_DECODE_FLOOR_S}
+        flow_window_s, names = FLOW_WINDOW_S, args.scenarios or ",".join(scenarios.SCENARIOS)
+    settings = Settings(evaluate_interval_s=0.25, flow_window_s=flow_window_s, nvml="off", log_level="warning",
                         overtaken_k=args.k, overtaken_m=args.m, **floors)
     print(f"judge: K={args.k}, M={args.m:g}; ratios: the largest wait / (longest of the k quickest overtakers)")
     print("per scenario: legs measured past the floor; of completed requests, the largest ratio at k=1..10 past the "
           "floor,\n  and at K without the floor (what the floor alone keeps from naming); of the others (hung, "
           "timed out, failed): legs, those over M at K, those the judge named overtaken")
     print("scenario             legs   ok-legs max ratio, k=1..10 (completed ok)    no floor | hung: legs  >M at K  named")
-    for name in args.scenarios.split(","):
+    for name in names.split(","):
         seen: dict[LegKey, list[float]] = {}
         unfloored: dict[LegKey, list[float]] = {}
         named: dict[LegKey, str] = {}
+        first: dict[str, float] = {}
         with InProcessSidecar(settings) as sc:
             stop = threading.Event()
-            poller = threading.Thread(target=watch, args=(sc, stop, seen, unfloored, named), daemon=True)
+            poller = threading.Thread(target=watch, args=(sc, stop, seen, unfloored, named, first), daemon=True)
             poller.start()
             try:
-                run = run_scenario(name, sc, None, seed=args.seed)
+                if args.live:
+                    truth, fault = run_live(name, sc, args.seed)
+                else:
+                    run = run_scenario(name, sc, None, seed=args.seed)
+                    truth, fault = run.truth, run.fault_at
             finally:
                 stop.set()
                 poller.join(5)
             kept = sc.sidecar.worker.call(passages, sc.sidecar.tracker)
-        truth = run.truth
         ok = {r.trace_id for r in truth.requests if r.outcome == "ok"} if truth is not None else set()
         healthy = {k: v for k, v in seen.items() if k[1] in ok}
         hung = {k: v for k, v in seen.items() if k[1] not in ok}
@@ -180,6 +244,9 @@ def main() -> int:
             grid = [f"K={k_},M={m_:g}: {sum(1 for v in hung.values() if len(v) >= k_ and v[k_ - 1] > m_)}"
                     for k_ in (3, 5, 8) for m_ in (5.0, 10.0, 20.0)]
             print(f"    hung legs over the rule at other settings (of {len(hung)}): {'; '.join(grid)}")
+        if fault is not None:
+            print("    after the fault: first stuck leg "
+                  + ", ".join(f"{what} {first[what] - fault:.1f} s" for what in ("stuck", "overtaken") if what in first))
         for key, why in list(named.items())[:2]:
             print(f"    e.g. {key[2]} {key[3]}: {why}")
     return 0

@@ -2,18 +2,26 @@
 
 Each fault happens in SGLang's own code or at its transport boundary, never in
 pdwatch's hooks: a decode process killed and started again, a decode process
-stopped with SIGSTOP, or NIXL writes to one decode that never complete.
+stopped with SIGSTOP, or NIXL writes to one decode that never complete. The
+ordinary day's scenarios are an operator's steps, through SGLang's router's
+worker API and signals as Kubernetes sends them; none of them is an incident.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 from ..scenarios import Action, Catalogue, Params, Scenario, at_fault, long_decodes
 
 
 def default_shape(params: Params, rng: random.Random, index: int) -> tuple[int, int]:
     return rng.randint(16, 128), rng.randint(8, 32)
+
+
+def overload_shape(params: Params, rng: random.Random, index: int) -> tuple[int, int]:
+    """The overload's requests: generations of a second or two, as _in_flight_shape's."""
+    return _in_flight_shape(params, rng, index)
 
 
 def _in_flight_shape(params: Params, rng: random.Random, index: int) -> tuple[int, int]:
@@ -78,3 +86,40 @@ register(Scenario("long-prompt-wedge", shape=_some_long_prompts, actions=at_faul
     from restart_at the prefill's NIXL writes of {LONG_PROMPT_TOKENS} tokens or more never complete, whichever
     decode they go to: the long prompts (every fifth request) hang in transfer on both legs while shorter ones
     keep completing through both decodes"""))
+
+
+# ---- the ordinary day: an operator's steps, none an incident (SglangStack's _action_<name>) -------------
+# Each takes as long as it takes (a decode starts in 25-60 s here); the actions run one after another, each
+# no sooner than its time. The decodes a stack starts with are decode-0 and decode-1.
+
+
+def _steps(*steps: tuple[str, str]) -> Callable[[Params], list[Action]]:
+    def actions(params: Params) -> list[Action]:
+        return [(params.restart_at + i, action, instance) for i, (action, instance) in enumerate(steps)]
+
+    return actions
+
+
+register(Scenario("scale-down", shape=default_shape, actions=_steps(("scale_down", "decode-1")), description="""
+    decode-1 is taken out of SGLang's router, drained, then its server's parent process gets SIGTERM: it
+    leaves in order (departed) while decode-0 serves"""))
+register(Scenario("scale-up", shape=default_shape, actions=_steps(("scale_up", "decode-2")), description="""
+    a new decode, decode-2, is started and added to SGLang's router while traffic flows"""))
+register(Scenario("rolling-restart", shape=default_shape, actions=_steps(("rolling_restart", "decode")),
+                  description="""
+    every decode, one at a time: out of the router, drained, SIGTERM, started again (fresh ports, as a new
+    pod), back in"""))
+register(Scenario("kill-idle-decode", shape=default_shape, actions=_steps(("sigkill_idle", "decode-1")),
+                  description="""
+    the load pauses, decode-1 holding nothing is SIGKILLed and taken out of the router, then the load
+    resumes on decode-0: a silent engine that held nothing (a warning, never a page)"""))
+register(Scenario("overload", shape=default_shape, actions=_steps(("overload", "router")), description="""
+    for 90 s, arrivals at 4 x the rate with generations of a second or two beside the usual load, well
+    above what the pair serves here; then back: queues that drain in order are slow, not stuck"""))
+register(Scenario("idle", shape=default_shape, actions=_steps(("idle", "router")), description="""
+    no traffic for 20 s (an idle hour compressed), then traffic again"""))
+register(Scenario("ordinary-day", shape=default_shape, actions=_steps(
+    ("scale_down", "decode-1"), ("scale_up", "decode-2"), ("rolling_restart", "decode"), ("idle", "router"),
+    ("sigkill_idle", "decode-2"), ("overload", "router")), description="""
+    scale-down, scale-up, rolling-restart, idle, kill-idle-decode (decode-2) and overload, one after
+    another in one stack: an ordinary day of a PD cluster, which must page nothing and leave no stuck leg"""))

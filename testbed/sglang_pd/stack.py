@@ -17,6 +17,8 @@ import http.client
 import json
 import os
 import shutil
+import signal
+import subprocess
 import tempfile
 import time
 from dataclasses import astuple
@@ -26,10 +28,12 @@ from typing import TYPE_CHECKING
 from pdwatch import contract as c
 
 from ..processes import EngineStartError, PortInUse, free_port
+from ..router import LoadGenerator
 from ..scenarios import Params
 from ..stack_base import StackArgs, StackBase
 from . import scenarios
 from .client import RouterClient
+from .control import RouterWorkers, held
 from .model import write_model
 from .servers import BASE_ENV, ServerPorts, SglangRouter, SglangServer
 
@@ -44,6 +48,13 @@ PORT_RETRIES = 2  # a server that finds a port taken is started this many more t
 # once in a fresh-clone test run). So the prefill has well more slots than one decode can pin.
 DECODE_MAX_RUNNING = 16
 PREFILL_MAX_RUNNING = 64
+# The ordinary day's steps: how long a drain may take, how long SGLang may take to exit on SIGTERM (its
+# drain checks every 5 s), how long the load pauses, and how long and how hard the overload lasts.
+DRAIN_TIMEOUT_S = 120.0
+EXIT_TIMEOUT_S = 60.0
+IDLE_S = 20.0
+OVERLOAD_S = 90.0
+OVERLOAD_FACTOR = 4.0  # times the scenario's rate, with the overload shape's longer generations
 
 
 class SglangStack(StackBase):
@@ -60,6 +71,7 @@ class SglangStack(StackBase):
         self._dir: Path | None = None
         self.servers: dict[str, SglangServer] = {}
         self.sglang_router: SglangRouter | None = None
+        self._resumed: list[float] = []  # when the load resumed after each pause
 
     def _check_decodes(self, decodes: int) -> None:
         if decodes not in (1, 2):
@@ -209,6 +221,137 @@ class SglangStack(StackBase):
     def _action_thaw_loop(self, instance: str) -> None:
         self._write_faults("freeze_instances", [])
         self._event("loop_thawed", instance=instance)
+
+    # ---- an operator's steps (the ordinary day) ---------------------------------
+
+    @property
+    def router_workers(self) -> RouterWorkers:
+        assert self.sglang_router is not None, "the stack is not started"
+        return RouterWorkers(self.sglang_router.port)
+
+    def _router_out(self, instance: str) -> None:
+        took = self.router_workers.remove(self.servers[instance].url)
+        self._event("router_out", instance=instance, took_s=round(took, 3))
+
+    def _router_in(self, instance: str) -> None:
+        took = self.router_workers.add(self.servers[instance].url)
+        self._event("router_in", instance=instance, took_s=round(took, 3))
+
+    def _drain(self, instance: str) -> None:
+        """Wait until the server has held no request for a heartbeat interval and a second: one may still be
+        on its way to it, and its last heartbeat must have said it holds nothing. (Killed sooner, a decode
+        that had just finished its last request was seen holding it: the heartbeat before the kill listed
+        the leg, and the leg's end was still in the exporter's queue.)"""
+        server, t0, quiet_since = self.servers[instance], time.monotonic(), None
+        while quiet_since is None or time.monotonic() - quiet_since < self.heartbeat_s + 1.0:
+            if time.monotonic() - t0 > DRAIN_TIMEOUT_S:
+                raise EngineStartError(f"{instance} still holds requests after {DRAIN_TIMEOUT_S:.0f} s")
+            if self._stop.wait(0.5):
+                return
+            if held(server.ports.http) > 0:
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = time.monotonic()
+        self._event("drained", instance=instance, took_s=round(time.monotonic() - t0, 3))
+
+    def _sigterm(self, instance: str) -> None:
+        """SIGTERM to the server's parent process alone, as Kubernetes stops a pod; wait until it exits."""
+        server = self.servers[instance]
+        assert server.proc is not None
+        t0 = time.time()
+        os.kill(server.proc.pid, signal.SIGTERM)
+        try:
+            rc: int | None = server.proc.wait(EXIT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            rc = None
+        exited = time.time()
+        server.kill()  # anything SGLang left in the group (and the pipes)
+        self._event("terminated", instance=instance, t=t0, exit_s=round(exited - t0, 3), returncode=rc)
+
+    def _start_decode(self, instance: str) -> None:
+        """Start a decode server (fresh ports, as a new pod gets) and put it in the router."""
+        with self._proc_lock:  # stop() must not miss a process spawned while it runs
+            if self._stopped:
+                raise RuntimeError("the stack is stopped")
+            t0 = time.time()
+        try:
+            self._start_servers("decode", [instance])
+        finally:
+            if self._stop.is_set() and instance in self.servers:
+                self.servers[instance].kill()  # started while the stack stopped: stop() may have missed it
+        self._event("started", instance=instance, t=t0, ready_after_s=round(time.time() - t0, 3),
+                    agent=self.agents().get(instance))
+        self._router_in(instance)
+
+    def _action_scale_down(self, instance: str) -> None:
+        """Out of the router, drained, then SIGTERM: the decode leaves in order."""
+        self._router_out(instance)
+        self._drain(instance)
+        self._sigterm(instance)
+
+    def _action_scale_up(self, instance: str) -> None:
+        """A new decode started and added to the router while traffic flows."""
+        self._start_decode(instance)
+
+    def _action_rolling_restart(self, instance: str) -> None:
+        """Every decode in the router, one at a time: out, drained, SIGTERM, started again, back in."""
+        decodes = [name for name, server in self.servers.items()
+                   if server.role == "decode" and self.router_workers.find(server.url) is not None]
+        for name in decodes:
+            if self._stop.is_set():
+                return
+            self._action_scale_down(name)
+            self._start_decode(name)
+            self._event("restarted_in_order", instance=name)
+
+    def _action_sigkill_idle(self, instance: str) -> None:
+        """The decode dies (SIGKILL) while it holds nothing, and the operator takes it out of the router.
+        The load pauses around it: with traffic flowing, SGLang's router keeps sending to a dead decode
+        until its health checks fail (the decode-restart scenario shows those requests hang)."""
+        self._pause_load()
+        self._drain(instance)
+        self.engines[instance].kill()
+        self._event("sigkilled", instance=instance)
+        self._router_out(instance)
+        self._stop.wait(IDLE_S / 2)
+        self._resume_load()
+
+    def _action_idle(self, instance: str) -> None:
+        """No traffic for IDLE_S, then traffic again."""
+        self._pause_load()
+        self._stop.wait(IDLE_S)
+        self._resume_load()
+
+    def _action_overload(self, instance: str) -> None:
+        """Arrivals well above capacity for OVERLOAD_S (OVERLOAD_FACTOR x the rate, longer generations)
+        beside the usual load, then back."""
+        extra = LoadGenerator(self._client(), lambda rng, i: scenarios.overload_shape(self.params, rng, i),
+                              rate=self.params.rate * OVERLOAD_FACTOR, seed=self.seed + 1, duration_s=OVERLOAD_S,
+                              max_requests=self.max_requests)
+        self._event("overload", rate=extra.rate, seconds=OVERLOAD_S)
+        extra.start()
+        self._stop.wait(OVERLOAD_S)
+        extra.stop()
+        self._event("overload_end")
+
+    def _client(self) -> RouterClient:
+        assert isinstance(self.router, RouterClient), "the stack is not started"
+        return self.router
+
+    def _pause_load(self) -> None:
+        if self.loadgen is not None:
+            self.loadgen.stop()
+        self._event("load_paused")
+
+    def _resume_load(self) -> None:
+        if self._stop.is_set():
+            return
+        self.loadgen = LoadGenerator(self._client(), lambda rng, i: self.scenario.shape(self.params, rng, i),
+                                     rate=self.params.rate, seed=self.seed + len(self._resumed), duration_s=None,
+                                     max_requests=self.max_requests)
+        self._resumed.append(time.time())
+        self.loadgen.start()
+        self._event("load_resumed")
 
     # ---- stop ------------------------------------------------------------------
 

@@ -19,7 +19,10 @@ from pdwatch.testbed.sidecar_process import SidecarProcess
 from tests.support.otlp_receiver import OtlpReceiver
 
 HEARTBEAT_S = 1.0
-FLOORS_S = {"bootstrap": 10.0, "queued": 20.0, "prefill": 20.0, "transfer": 5.0, "decode": 5.0}
+# transfer: the production default (contract DEFAULT_FLOORS_S), so that in the transfer-wedge the
+# overtaken evidence (about 6 s after the wedge here) names the first stuck leg, as it would in production,
+# before the threshold does.
+FLOORS_S = {"bootstrap": 10.0, "queued": 20.0, "prefill": 20.0, "transfer": 15.0, "decode": 5.0}
 FLOW_WINDOW_S = 60.0
 POLL_S = 0.5
 
@@ -69,6 +72,7 @@ class Run:
     metrics: str = ""  # /metrics then
     logs: dict = field(default_factory=dict)  # each server's last log lines then
     agents: dict = field(default_factory=dict)  # each server's NIXL agent name then
+    legs: list = field(default_factory=list)  # every request's legs from /api/v1/requests, where a test reads them
 
     def event(self, name: str) -> dict | None:
         return next((e for e in self.events if e["event"] == name), None)
