@@ -109,7 +109,7 @@ register(Scenario("rolling-restart", shape=default_shape, actions=_steps(("rolli
                   description="""
     every decode, one at a time: out of the router, drained, SIGTERM, started again (fresh ports, as a new
     pod), back in"""))
-register(Scenario("kill-idle-decode", shape=default_shape, actions=_steps(("sigkill_idle", "decode-1")),
+register(Scenario("kill-idle", shape=default_shape, actions=_steps(("sigkill_idle", "decode-1")),
                   description="""
     the load pauses, decode-1 holding nothing is SIGKILLed and taken out of the router, then the load
     resumes on decode-0: a silent engine that held nothing (a warning, never a page)"""))
@@ -121,5 +121,5 @@ register(Scenario("idle", shape=default_shape, actions=_steps(("idle", "router")
 register(Scenario("ordinary-day", shape=default_shape, actions=_steps(
     ("scale_down", "decode-1"), ("scale_up", "decode-2"), ("rolling_restart", "decode"), ("idle", "router"),
     ("sigkill_idle", "decode-2"), ("overload", "router")), description="""
-    scale-down, scale-up, rolling-restart, idle, kill-idle-decode (decode-2) and overload, one after
+    scale-down, scale-up, rolling-restart, idle, kill-idle (decode-2) and overload, one after
     another in one stack: an ordinary day of a PD cluster, which must page nothing and leave no stuck leg"""))
