@@ -17,7 +17,7 @@ reads every judge tick, about twice a second, and counts:
   incidents        paged or not, and seconds from the fault to the page
 
 The sidecar runs the integration tests' settings (floors, heartbeat, flow window;
-see tests/integration/test_ordinary_day.py), flags below.
+see pdwatch/testbed/ordinary_day.py), flags below.
 
     python bench/ordinary_day.py [--minutes 30]
 """
@@ -31,24 +31,13 @@ import time
 from typing import Any
 
 from pdwatch import contract as c
-from pdwatch.testbed import scenarios
+from pdwatch.testbed import ordinary_day, scenarios
 from pdwatch.testbed.day_watch import DayWatch, Poll
 from pdwatch.testbed.monitoring import Monitoring
 from pdwatch.testbed.sidecar_process import SidecarProcess
 
-RESTART_AT = 8.0
-IDLE_S = 130.0
-OVERLOAD_S = 90.0
+RESTART_AT, ORDINARY = ordinary_day.RESTART_AT, ordinary_day.PLAN
 ROUND_LIMIT_S = 330.0
-# scenario -> (rate, seconds of load, Params overrides), as the integration test runs them
-ORDINARY: dict[str, tuple[float, float, dict[str, Any]]] = {
-    "scale-down": (2.0, 40.0, {}),
-    "scale-up": (2.0, 40.0, {}),
-    "rolling-restart": (2.0, 50.0, {}),
-    "kill-idle": (1.0, 40.0, {}),
-    "overload": (0.5, RESTART_AT + OVERLOAD_S + 30.0, {"overload_s": OVERLOAD_S}),
-    "idle": (2.0, RESTART_AT + IDLE_S + 20.0, {"idle_s": IDLE_S}),
-}
 # incident -> the event that is its fault
 INCIDENTS = {"decode-restart": "killed", "freeze-decode": "frozen", "tp-desync": "desync"}
 PAGES = (c.ALERT_STUCK_WHILE_OTHERS_FLOW, c.ALERT_COLLECTIVE_DESYNC, c.ALERT_ENGINE_SILENT)
@@ -141,10 +130,10 @@ def tally(polls: list[Poll], ordinary: set[str]) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=30.0, help="start rounds until this many minutes have passed")
-    ap.add_argument("--heartbeat-s", type=float, default=0.5)
-    ap.add_argument("--floor-transfer-s", type=float, default=4.0)
-    ap.add_argument("--floor-decode-s", type=float, default=3.0)
-    ap.add_argument("--flow-window-s", type=float, default=10.0)
+    ap.add_argument("--heartbeat-s", type=float, default=ordinary_day.HEARTBEAT_S)
+    ap.add_argument("--floor-transfer-s", type=float, default=ordinary_day.FLOOR_TRANSFER_S)
+    ap.add_argument("--floor-decode-s", type=float, default=ordinary_day.FLOOR_DECODE_S)
+    ap.add_argument("--flow-window-s", type=float, default=ordinary_day.FLOW_WINDOW_S)
     args = ap.parse_args()
     logging.getLogger("opentelemetry").setLevel(logging.CRITICAL)
     for name in [*ORDINARY, *INCIDENTS]:

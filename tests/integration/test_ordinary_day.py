@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from pdwatch.testbed import ordinary_day
 from pdwatch.testbed.day_watch import DayWatch, Poll
 from pdwatch.testbed.monitoring import Monitoring
 from pdwatch.testbed.router import Truth
@@ -33,28 +34,17 @@ from pdwatch.testbed.sidecar_process import SidecarProcess
 
 pytestmark = pytest.mark.integration
 
-# The floors as tests/integration/test_alerting.py's; heartbeats at 1 s rather than its 0.5 s (the
-# default is 2 s): seven clusters at once on two cores once starved a 0.5 s heartbeat past the 1.5 s
-# after which an instance is down, and a draining queue's decode then read as silent while it held legs.
-HEARTBEAT_S = 1.0
-FLOOR_TRANSFER_S = 4.0
-FLOOR_DECODE_S = 3.0
-FLOW_WINDOW_S = 10.0
-RESTART_AT = 8.0
-IDLE_S = 130.0
-OVERLOAD_S = 90.0
+# The plan's settings (testbed/ordinary_day.py): the floors as tests/integration/test_alerting.py's;
+# heartbeats at 1 s rather than its 0.5 s (the default is 2 s): seven clusters at once on two cores once
+# starved a 0.5 s heartbeat past the 1.5 s after which an instance is down, and a draining queue's decode
+# then read as silent while it held legs.
+HEARTBEAT_S, FLOOR_TRANSFER_S = ordinary_day.HEARTBEAT_S, ordinary_day.FLOOR_TRANSFER_S
+FLOOR_DECODE_S, FLOW_WINDOW_S = ordinary_day.FLOOR_DECODE_S, ordinary_day.FLOW_WINDOW_S
+RESTART_AT, IDLE_S = ordinary_day.RESTART_AT, ordinary_day.IDLE_S
+ORDINARY = ordinary_day.PLAN
 HEADLINE = "PDRequestStuckWhileOthersFlow"
 RUN_LIMIT_S = 330.0  # every cluster's own end comes well before
 
-# cluster (= scenario) -> (rate, seconds of load, Params overrides)
-ORDINARY: dict[str, tuple[float, float, dict[str, Any]]] = {
-    "scale-down": (2.0, 40.0, {}),
-    "scale-up": (2.0, 40.0, {}),
-    "rolling-restart": (2.0, 50.0, {}),
-    "kill-idle": (1.0, 40.0, {}),
-    "overload": (0.5, RESTART_AT + OVERLOAD_S + 30.0, {"overload_s": OVERLOAD_S}),
-    "idle": (2.0, RESTART_AT + IDLE_S + 20.0, {"idle_s": IDLE_S}),
-}
 INCIDENT = "decode-restart"  # run as cluster "incident"
 
 
