@@ -25,6 +25,7 @@ HEARTBEAT_S = 1.0
 FLOORS_S = {"bootstrap": 10.0, "queued": 20.0, "prefill": 20.0, "transfer": 15.0, "decode": 5.0}
 FLOW_WINDOW_S = 60.0
 POLL_S = 0.5
+READ_TIMEOUT_S = 60.0
 
 
 def _missing() -> str | None:
@@ -136,8 +137,10 @@ def run_live(world: World, scenario: str, *, seconds: float, until=None, grace_s
                 time.sleep(POLL_S)
         run.events.extend(stack.poll_events())
         run.truth = stack.truth()
-        run.summary = world.sidecar.get("/api/v1/summary")
-        run.metrics = world.sidecar.client.get("/metrics").text
+        # Once, at the end, with time to answer: a sidecar holding a wedge's legs on a starved CPU
+        # took over the client's 5 s once (the poller's reads may fail; these may not).
+        run.summary = world.sidecar.get("/api/v1/summary", timeout=READ_TIMEOUT_S)
+        run.metrics = world.sidecar.client.get("/metrics", timeout=READ_TIMEOUT_S).text
         run.logs = {name: stack.logs(name, 400) for name in stack.engines}
         run.agents = stack.agents()
     finally:

@@ -588,7 +588,7 @@ def test_long_prompt_wedge_contrast_names_the_prompt_length(long_prompt_wedge):
     # SGLang's own KV sender holds them: the first prefill legs named are long prompts in transfer, and
     # short ones flow. A short prompt's decode leg may be named with them: it waits in transfer while
     # the prefill works through long prompts on this CPU, past the 5 s floor (seen once in CI's runs).
-    short = [(s["role"], s["stage"], round(s["age_s"], 1), s["threshold_s"], s["reason"]) for s in stuck
+    short = [(s["role"], s["stage"], round(s["stage_age_s"], 1), s["threshold_s"], s["reason"]) for s in stuck
              if s["trace_id"] not in long_ones]
     print("short prompts among the first stuck:", short)
     prefill = [s for s in stuck if s["role"] == "prefill"]
