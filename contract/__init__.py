@@ -181,12 +181,10 @@ H_RECORDER_HEALTH_PREFIX = "pd.recorder."  # v1.2: the contract's recorder count
 H_DROPPED = "pdwatch.recorder.dropped"  # records the hot-path buffer had no room for
 H_WORKER_ERRORS = "pdwatch.recorder.worker_errors"
 H_WORKER_CPU = "pdwatch.recorder.worker_cpu_s"  # the recorder thread's CPU seconds so far
-# pdwatch's names from before v1.2, still sent beside the contract's for readers of the summary's
-# per-rank engine detail: the hook errors, the export queue's own drops (without the hot-path
-# buffer's), the spans in failed exports.
-H_HOOK_ERRORS_V11 = "pdwatch.recorder.hook_errors"
-H_QUEUE_DROPPED = "pdwatch.recorder.spans_dropped"
-H_EXPORT_FAILED_V11 = "pdwatch.recorder.export_failed_spans"
+# The export queue's own drops, without the hot-path buffer's (pd.recorder.spans_dropped sums both).
+# Before v1.2 this was pdwatch.recorder.spans_dropped, sent with pdwatch.recorder.hook_errors and
+# .export_failed_spans: those two are the contract's pd.recorder.* names now, and no longer sent.
+H_QUEUE_DROPPED = "pdwatch.recorder.queue_dropped"
 H_LEGS_EVICTED = "pdwatch.recorder.legs_evicted"
 # pd.loop.idle_turn_s's name before v1.2: the sidecar still reads it from engines that send it.
 H_LOOP_IDLE_TURN_V11 = "pdwatch.loop.idle_turn_s"

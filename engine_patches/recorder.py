@@ -226,11 +226,9 @@ class Recorder:
             c.H_EXPORTS_FAILED: self.export.failed_spans,
             c.H_HOOK_ERRORS: self.hook_errors,
             c.H_PLUGIN_STATE: cfg.plugin_state,
-            # pdwatch's detail beside them: each place apart, and the names from before v1.2.
+            # pdwatch's detail beside them: each place that drops, apart.
             c.H_DROPPED: self.dropped,
             c.H_QUEUE_DROPPED: self.export.dropped,
-            c.H_HOOK_ERRORS_V11: self.hook_errors,
-            c.H_EXPORT_FAILED_V11: self.export.failed_spans,
             c.H_WORKER_ERRORS: self.worker_errors,
             c.H_WORKER_CPU: self.worker_cpu_s,
             c.H_LEGS_EVICTED: legs.evicted,

@@ -9,6 +9,7 @@ import time
 import pytest
 from opentelemetry.trace import SpanKind, StatusCode
 
+from pdwatch import contract as c
 from pdwatch.engine_patches.recorder import Recorder, RecorderConfig
 from tests.support.otlp_spans import KeptSpans
 
@@ -319,7 +320,7 @@ def test_export_queue_is_bounded_and_overflow_counted():
         rec.finish(f"p-{i}", "ok")
     rec.drain()  # nothing posted yet: the queue fills, then refuses
     assert (rec.export.waiting, rec.export.dropped) == (8, 100 - 8)  # 50 legs of two spans each
-    assert rec.heartbeat_attributes()["pdwatch.recorder.spans_dropped"] == 92  # the queue alone
+    assert rec.heartbeat_attributes()[c.H_QUEUE_DROPPED] == 92  # the queue alone
     assert rec.heartbeat_attributes()["pd.recorder.spans_dropped"] == 92  # nothing dropped on the hot path
     assert rec.flush(timeout_s=5)
     assert counting.posted == 1 and rec.export.sent == rec.export.taken == 8 and rec.export.waiting == 0
@@ -450,7 +451,7 @@ def test_heartbeats_carry_the_engine_sides_health_under_the_contracts_names():
     hb = rec.heartbeat_attributes()
     assert rec.dropped == 20 and rec.export.dropped == 26 - 4
     assert hb["pd.recorder.spans_dropped"] == 20 + 22
-    assert hb["pdwatch.recorder.dropped"] == 20 and hb["pdwatch.recorder.spans_dropped"] == 22
+    assert hb["pdwatch.recorder.dropped"] == 20 and hb[c.H_QUEUE_DROPPED] == 22
     assert hb["pd.recorder.exports_failed"] == 0
     rec.flush(timeout_s=1)  # the export fails: its 4 spans are counted, not retried forever
     assert rec.heartbeat_attributes()["pd.recorder.exports_failed"] == rec.export.failed_spans == 4

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from pdwatch import contract as c
 from pdwatch.engine_patches.recorder import Recorder, RecorderConfig
 from pdwatch.testbed.sidecar_process import free_port
 
@@ -83,5 +84,5 @@ def test_queues_stay_bounded_and_drops_are_counted(sidecar_endpoint):
     # Which of the two depends on the machine's pace (CI once saw no failed export before the end of a
     # "down" run: every batch still in its retry), so the test asks for what the comment says: either.
     assert stats["spans_dropped"] + stats["export_failed_spans"] > 0, stats
-    assert hb["pdwatch.recorder.spans_dropped"] == stats["spans_dropped"]
+    assert hb[c.H_QUEUE_DROPPED] == stats["spans_dropped"]
     assert hb["pdwatch.recorder.dropped"] == stats["dropped"]

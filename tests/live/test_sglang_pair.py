@@ -46,7 +46,7 @@ def instances(run) -> dict[str, dict]:
 
 
 def hook_errors(run) -> dict[str, int]:
-    return {name: rank["engine"].get("pdwatch.recorder.hook_errors", 0)
+    return {name: rank["engine"].get(c.H_HOOK_ERRORS, 0)
             for name, inst in instances(run).items() for rank in inst["ranks"]}
 
 

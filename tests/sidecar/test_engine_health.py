@@ -65,9 +65,8 @@ def test_recorder_losses_are_summed_over_an_instances_ranks(tracker, engines):
     (inst,) = summary(ev)["instances"]
     assert inst["recorder"] == {"pd.recorder.spans_dropped": 7, "pd.recorder.exports_failed": 7,
                                 "pd.recorder.hook_errors": 3}
-    # The per-rank detail keeps the counters too, under both names.
+    # The per-rank detail keeps the counters too.
     assert inst["ranks"][1]["engine"]["pd.recorder.hook_errors"] == 2
-    assert inst["ranks"][1]["engine"]["pdwatch.recorder.hook_errors"] == 2
 
 
 def test_engine_info_names_the_engine_the_plugin_and_its_least_observed_rank(tracker, engines):

@@ -37,6 +37,7 @@ import pytest
 import torch
 from opentelemetry.trace import StatusCode
 
+from pdwatch import contract as c
 from pdwatch.engine_patches.recorder import Recorder, RecorderConfig
 from pdwatch.engine_patches.sglang import hooks
 from pdwatch.engine_patches.sglang.state import state
@@ -397,7 +398,7 @@ def test_a_raising_hook_never_reaches_the_scheduler(sglang_plugin, gloo):
     popped = q.pop_bootstrapped()  # the real method returns normally
     assert popped == [req, poisoned]
     assert r.rec.hook_errors >= 1
-    assert r.heartbeat()["pdwatch.recorder.hook_errors"] == r.rec.hook_errors
+    assert r.heartbeat()[c.H_HOOK_ERRORS] == r.rec.hook_errors
     assert r.heartbeat()["pd.recorder.hook_errors"] == r.rec.hook_errors  # the contract's name (v1.2)
 
 
