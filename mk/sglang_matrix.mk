@@ -7,10 +7,15 @@
 # For each release:
 # `pdwatch check` (expected state, exit status) and the plugin's contract test
 # on its real source (0.5.23, the pinned one, too: the same venv shape).
-#   SGLANG_MATRIX='VERSION:STATE[:check-only] ...' picks releases, each with the
-#   plugin state `pdwatch check` must report there; check-only: no contract test
-#   (a release without SGLang's plugin loader, where no row of the table applies).
-SGLANG_MATRIX ?= 0.5.23:active 0.5.16:inactive 0.5.13:inactive 0.5.11:inactive 0.5.10:inactive:check-only
+# live: then a live PD pair of that release on this CPU (tests/live/release:
+# healthy, and transfer-wedge where the lifecycle is hooked), with the project's
+# sidecar, Prometheus and Alertmanager (py-spy from the project venv's bin/, on
+# PATH); about 6 minutes a release.
+#   SGLANG_MATRIX='VERSION:STATE[:check-only|:live] ...' picks releases, each with
+#   the plugin state `pdwatch check` must report there; check-only: no contract
+#   test (a release without SGLang's plugin loader, where no row of the table
+#   applies). tests/live covers the pinned release live, in `make test`.
+SGLANG_MATRIX ?= 0.5.23:active 0.5.16:partial:live 0.5.13:partial 0.5.11:inactive 0.5.10:inactive:check-only
 MATRIX_DIR    := build/sglang-matrix
 MATRIX_SITE    = $(shell $(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 
@@ -36,7 +41,7 @@ $(MATRIX_DIR)/%/.installed: $(STAMP) mk/sglang_pins.py
 MATRIX_VERSIONS = $(foreach r,$(SGLANG_MATRIX),$(firstword $(subst :, ,$(r))))
 
 .PHONY: test-matrix
-test-matrix: $(STAMP) $(foreach v,$(MATRIX_VERSIONS),$(MATRIX_DIR)/$(v)/.installed)
+test-matrix: $(STAMP) $(DEBIAN_TOOLS_STAMP) $(foreach v,$(MATRIX_VERSIONS),$(MATRIX_DIR)/$(v)/.installed)
 	@set -e; for r in $(SGLANG_MATRIX); do \
 		v=$${r%%:*}; rest=$${r#*:}; want=$${rest%%:*}; py=$(MATRIX_DIR)/$$v/bin/python; \
 		echo "== sglang $$v: pdwatch check (expect $$want)"; \
@@ -44,4 +49,7 @@ test-matrix: $(STAMP) $(foreach v,$(MATRIX_VERSIONS),$(MATRIX_DIR)/$(v)/.install
 		case $$rest in *:check-only) continue;; esac; \
 		echo "== sglang $$v: contract test"; \
 		$$py -m pytest -q -p no:cacheprovider tests/engine_patches/sglang/test_contract.py; \
+		case $$rest in *:live) ;; *) continue;; esac; \
+		echo "== sglang $$v: live PD pair"; \
+		PATH="$(abspath $(BIN)):$$PATH" $$py -m pytest -q -s -p no:cacheprovider tests/live/release; \
 	done

@@ -194,6 +194,18 @@ def on_prefill_batch(plan: Any, self: Any, *args: Any, **kwargs: Any) -> None:
         _counted_error()
 
 
+def on_prefill_batch_returned(batch: Any, self: Any, *args: Any, **kwargs: Any) -> None:
+    """Releases before 0.5.16, whose get_new_batch_prefill returns the ScheduleBatch itself (or None)."""
+    lc = state.lc
+    if lc is None or batch is None:
+        return
+    try:
+        for req in batch.reqs:
+            lc.enter(req.rid, "prefill")
+    except Exception:
+        _counted_error()
+
+
 def on_abort_request(result: Any, self: Any, recv_req: Any, *args: Any, **kwargs: Any) -> None:
     lc = state.lc
     if lc is None:
@@ -347,6 +359,19 @@ def on_decode_metadata_sent(result: Any, self: Any, decode_req: Any, *args: Any,
         return
     try:
         lc.enter(decode_req.req.rid, "transfer")  # the backend is the recorder's (transfer_backend)
+    except Exception:
+        _counted_error()
+
+
+def on_decode_transfer_queued(result: Any, self: Any, decode_reqs: Any, *args: Any, **kwargs: Any) -> None:
+    """Decode, releases without a per-request metadata send (<= 0.5.16): the preallocated requests, their
+    addresses just sent to the prefill, join the transfer queue. Called every loop turn, mostly empty."""
+    lc = state.lc
+    if lc is None or not decode_reqs:
+        return
+    try:
+        for decode_req in decode_reqs:
+            lc.enter(decode_req.req.rid, "transfer")
     except Exception:
         _counted_error()
 

@@ -5,7 +5,7 @@ the running SGLang, and the contract test reads the installed source with
 `ast` against it. `params` are the parameters the hook reads by name; `attrs`
 are the attributes the hook reads off SGLang objects, each as `Class.attr`,
 checked to be a field, property, method or `self.attr` assignment of that
-SGLang class or one of its bases. Written for sglang 0.5.23.
+SGLang class or one of its bases. Written for sglang 0.5.23; older releases have rows of their own.
 
 Each target belongs to a group, and the group says what refusing it costs
 (`GROUP_NEED`): without the `process` group there is no recorder at all;
@@ -19,6 +19,9 @@ range where releases differ (see `for_version`).
 from __future__ import annotations
 
 from typing import NamedTuple
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
 
 SCHED = "sglang.srt.managers.scheduler.Scheduler"
 PREFILL = "sglang.srt.disaggregation.prefill"
@@ -106,8 +109,9 @@ TARGETS: tuple[Target, ...] = (
     Target(f"{SCHED}.get_new_batch_prefill", "after", "on_prefill_batch",
            "prefill/unified: queued -> prefill (forward)", ("self",),
            ("NextBatchPlan.batch_to_run", "ScheduleBatch.reqs", "Req.rid"), versions=">=0.5.16"),
-    Target(f"{SCHED}.get_new_batch_prefill", "after", GAP, "returns the ScheduleBatch itself, no NextBatchPlan: "
-           "queued -> prefill not adapted", versions="<0.5.16"),
+    Target(f"{SCHED}.get_new_batch_prefill", "after", "on_prefill_batch_returned",
+           "prefill/unified: queued -> prefill (forward; the ScheduleBatch itself, before NextBatchPlan)",
+           ("self",), ("ScheduleBatch.reqs", "Req.rid"), versions="<0.5.16"),
     Target(f"{SCHED}.abort_request", "after", "on_abort_request",
            "abort requested (counted; the leg ends where its output is streamed)", ("self", "recv_req"),
            group="aborts"),
@@ -135,8 +139,8 @@ TARGETS: tuple[Target, ...] = (
     Target(f"{PREFILL}.SchedulerDisaggregationPrefillMixin.handle_inflight_transfer_failure", "before",
            "on_prefill_transfer_failure", "prefill: KV transfer failed", ("self", "req"),
            ("Req.disagg_kv_sender", "CommonKVSender.kv_mgr", "CommonKVManager.failure_records"), versions=">=0.5.16"),
-    Target(f"{PREFILL}.SchedulerDisaggregationPrefillMixin.handle_inflight_transfer_failure", "before", GAP,
-           "no inflight-transfer-failure handler: failed transfers end elsewhere, not adapted", versions="<0.5.16"),
+    # Before it, the inflight queue aborted a failed transfer inline and streamed it with the done ones
+    # (prepare_abort, then stream_output): the leg ends there, failed, with SGLang's message; no row.
     # -- decode role -----------------------------------------------------------
     Target(f"{DECODE}.DecodePreallocQueue.add", "after", "on_decode_prealloc_add",
            "decode: arrival, enters bootstrap (handshake + prealloc); retracted: queued; rebootstrap: bootstrap again",
@@ -152,8 +156,12 @@ TARGETS: tuple[Target, ...] = (
     Target(f"{DECODE}.DecodePreallocQueue._send_kv_metadata", "after", "on_decode_metadata_sent",
            "decode: bootstrap -> transfer (KV memory preallocated, its address sent to the prefill)",
            ("self", "decode_req"), ("DecodeRequest.req", "Req.rid"), versions=">0.5.16"),
-    Target(f"{DECODE}.DecodePreallocQueue._send_kv_metadata", "after", GAP,
-           "no per-request metadata send: bootstrap -> transfer not adapted", versions="<=0.5.16"),
+    # Before it, pop_preallocated sent each address inline and the scheduler moved what it returned
+    # into the transfer queue with extend, once a loop turn (mostly empty: the hook returns at once).
+    Target(f"{DECODE}.DecodeTransferQueue.extend", "after", "on_decode_transfer_queued",
+           "decode: bootstrap -> transfer (the preallocated requests join the transfer queue, their KV "
+           "addresses just sent to the prefill)", ("self", "decode_reqs"), ("DecodeRequest.req", "Req.rid"),
+           versions="<=0.5.16"),
     # Also per request: pop_transferred and get_new_prebuilt_batch run on every
     # decode loop turn (about 80 a request here), and a wrapped call costs ~1 us there live.
     Target(f"{DECODE}.DecodeTransferQueue._commit_transfer_to_req", "after", "on_decode_transferred",
@@ -163,8 +171,9 @@ TARGETS: tuple[Target, ...] = (
            "decode: KV transfer failed or timed out", ("self", "decode_req"),
            ("DecodeRequest.req", "DecodeRequest.kv_receiver", "CommonKVReceiver.kv_mgr",
             "CommonKVManager.failure_records"), versions=">0.5.16"),
-    Target(f"{DECODE}.DecodeTransferQueue._abort_failed_transfer", "before", GAP,
-           "no failed-transfer abort method: failed decode transfers not adapted", versions="<=0.5.16"),
+    # Before it, pop_transferred aborted a failed transfer inline and streamed the abort at once
+    # (prepare_abort, then stream_output): the leg ends there, failed, with SGLang's message, and no
+    # row is needed; what is lost is the failure record's reason and the stale-peer note.
     Target(f"{DECODE_BATCH}.process_prebuilt", "after", "on_decode_batch",
            "decode: queued -> decode (the prebuilt batch, about to join the running batch)", ("self",),
            ("ScheduleBatch.reqs",)),
@@ -187,8 +196,7 @@ TARGETS: tuple[Target, ...] = (
            "NIXL dropped peers after a transport error (peers removed)",
            ("self", "room_transfer_infos"), ("NixlKVManager.decode_kv_args_table", "NixlKVManager.agent"),
            group="nixl_invalidated", versions=">0.5.16"),
-    Target(f"{NIXL_MGR}._reload_invalidated_peers", "before", GAP, "NIXL does not drop peers after a transport "
-           "error here: nothing to count", group="nixl_invalidated", versions="<=0.5.16"),
+    # Before it, NIXL never dropped a peer after a transport error: nothing to count, no row.
     Target(f"{NIXL_MGR}.add_transfer_request", "after", "on_nixl_transfer_request",
            "prefill: KV chunk queued for NIXL (bytes, backend, peer)",
            ("self", "bootstrap_room", "kv_indices"),
@@ -210,7 +218,8 @@ GROUP_NEED = {
     "nixl_invalidated": OPTIONAL,
     "nixl_bytes": OPTIONAL,
 }
-# Releases `make test-matrix` checks this table against (check + contract test); live PD runs: 0.5.23.
+# Releases `make test-matrix` checks this table against (check + contract test); live PD runs: 0.5.23
+# (make test) and 0.5.16 (make test-matrix).
 # Elsewhere `pdwatch check` calls each target untested, whatever it finds.
 TESTED = ("0.5.11", "0.5.13", "0.5.16", "0.5.23")
 
@@ -218,10 +227,6 @@ TESTED = ("0.5.11", "0.5.13", "0.5.16", "0.5.23")
 def for_version(version: str | None, table: tuple[Target, ...] | None = None) -> tuple[Target, ...]:
     """The rows of `table` (default TARGETS) for one SGLang release; no version, or one that does not
     parse (a source checkout): the rows of the newest release tested, the one the table is written for."""
-    # Imported here: SGLang depends on packaging, a bare pdwatch (`pdwatch check` without SGLang) need not.
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import InvalidVersion, Version
-
     table = TARGETS if table is None else table
     try:
         v = Version(version or TESTED[-1])

@@ -2,7 +2,7 @@
 
 Each is an `EngineProcess` (own process group, bounded log, never orphaned)
 with its own command line and readiness line. The flags are those that make
-SGLang 0.5.23 serve on a CPU (see ../shared/NOTES.md's measured facts):
+SGLang 0.5.23 (and the older releases of the version matrix) serve on a CPU (see ../shared/NOTES.md's measured facts):
 torch-native attention and sampling, no CUDA graphs, no overlap scheduling
 (it reaches `torch.cuda.Event` at the first prefix-cache hit), no decode
 retraction backup (it reaches `cudaHostRegister`), and `--sleep-on-idle`, so
@@ -11,9 +11,13 @@ an idle scheduler waits on its sockets instead of spinning a core.
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
+
+from packaging.version import InvalidVersion, Version
 
 from ..engine import Ready
 from ..processes import EngineProcess
@@ -50,6 +54,21 @@ CPU_FLAGS = (
 )
 
 
+# The decode's retraction backup and its flag came after 0.5.16 (the older releases of the version
+# matrix run here too, and their servers refuse flags they do not know).
+RETRACTION_BACKUP = "--disaggregation-decode-retraction-backup"
+RETRACTION_BACKUP_SINCE = "0.5.17"
+
+
+@functools.cache
+def sglang_version() -> Version | None:
+    """The installed SGLang's release, from its metadata (importing sglang costs seconds)."""
+    try:
+        return Version(metadata.version("sglang"))
+    except (metadata.PackageNotFoundError, InvalidVersion):
+        return None
+
+
 @dataclass(frozen=True)
 class ServerPorts:
     http: int
@@ -79,8 +98,8 @@ class SglangServer(EngineProcess):
         ]
         if self.role == "prefill":
             args += ["--disaggregation-bootstrap-port", str(self.ports.bootstrap)]
-        else:
-            args += ["--disaggregation-decode-retraction-backup", "none"]
+        elif (sglang_version() or Version(RETRACTION_BACKUP_SINCE)) >= Version(RETRACTION_BACKUP_SINCE):
+            args += [RETRACTION_BACKUP, "none"]
         return [*args, *self.extra]
 
     def python_path(self) -> list[str]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from pdwatch import contract as c
 from pdwatch.cli import main as pdwatch
 from pdwatch.engine_patches.sglang import check, guard, targets
@@ -51,18 +53,31 @@ def test_an_essential_target_refused_leaves_nothing_to_install():
 
 
 def test_a_gap_row_is_refused_with_its_reason():
-    rows = targets.for_version("0.5.13")
+    rows = targets.for_version("0.5.11")
     plan = guard.plan(rows, {})
     assert plan.state == c.PLUGIN_INACTIVE and plan.heartbeats
-    assert any("no per-request metadata send" in r for r in plan.refused)
+    assert any("no SchedulerOutputStreamer" in r for r in plan.refused)
     assert [t.path for t in rows if t.hook == "on_loop_iteration"] == [
         "sglang.srt.managers.scheduler.Scheduler.process_input_requests"]
+
+
+@pytest.mark.parametrize(("version", "gaps"), [("0.5.16", ["kv_concluded"]), ("0.5.13", ["shutdown", "kv_concluded"])])
+def test_older_releases_lack_only_optional_rows(version, gaps):
+    # Every lifecycle transition has a hook there; a Failed conclusion has no target before 0.5.17,
+    # nor an orderly shutdown before 0.5.16.
+    plan = guard.plan(targets.for_version(version), {})
+    assert plan.state == c.PLUGIN_PARTIAL and plan.lifecycle and plan.heartbeats
+    assert [t.group for t in targets.for_version(version) if t.gap] == gaps
+    hooks = {t.hook for t in plan.install}
+    assert "on_decode_transfer_queued" in hooks and "on_decode_metadata_sent" not in hooks
 
 
 def test_rows_per_release_range():
     hooks_new = {t.hook for t in targets.for_version("0.5.23") if not t.gap}
     hooks_old = {t.hook for t in targets.for_version("0.5.11") if not t.gap}
-    assert hooks_old < hooks_new
+    assert len(hooks_old) < len(hooks_new)
+    # The hooks written for older releases only.
+    assert hooks_old - hooks_new == {"on_decode_transfer_queued", "on_prefill_batch_returned"}
     # No version, or a source checkout's: the rows the table is written for, the newest release tested.
     assert targets.for_version("not a version") == targets.for_version(None) == targets.for_version(targets.TESTED[-1])
 
