@@ -99,7 +99,7 @@ def test_the_wheel_is_one_namespace_with_its_data_extras_and_plugin_entry_point(
     assert SpecifierSet(meta["Requires-Python"]) == SpecifierSet(">=3.10,<3.14")
     base = [r for r in meta.get_all("Requires-Dist") if "extra ==" not in r]
     assert sorted(re.split(r"[<>=!; ]", r)[0] for r in base) == [
-        "opentelemetry-api", "opentelemetry-proto", "opentelemetry-sdk", "protobuf"]
+        "opentelemetry-api", "opentelemetry-proto", "opentelemetry-sdk", "packaging", "protobuf"]
     assert {"sidecar", "gpu", "capture", "dashboards", "report", "testbed"} <= set(meta.get_all("Provides-Extra"))
     assert "[sglang.srt.plugins]\npdwatch = pdwatch.engine_patches.sglang:plugin" in entry_points
     with tarfile.open(sdist) as tar:
