@@ -345,7 +345,7 @@ def decode_restart(live_world):
 
 
 def test_decode_restart_shows_the_restart_and_the_new_agent(decode_restart):
-    run, _world = decode_restart
+    run, world = decode_restart
     restart = run.event("restart")
     assert restart is not None, run.events
     assert restart["old_agent"] and restart["new_agent"] and restart["old_agent"] != restart["new_agent"]
@@ -353,7 +353,16 @@ def test_decode_restart_shows_the_restart_and_the_new_agent(decode_restart):
                    pd_instance="decode-0") == [1.0]
     assert instances(run)["decode-0"]["up"]
     engine = instances(run)["prefill-0"]["ranks"][0]["engine"]
-    assert engine.get("pd.engine.kv_peers_added", 0) >= 3  # decode-0, decode-1, decode-0 again
+    # The prefill adds a NIXL peer when a decode first sends it a KV address: decode-0, decode-1, and
+    # decode-0 again once the new process gets a request. SGLang's router may send it none before the
+    # run ends (seen once under load: its health checks had not taken decode-0 back yet), and then
+    # there is no third peer to add.
+    back_ns = int((restart["t"] + restart["ready_after_s"]) * 1e9)
+    served = [s for s in world.receiver.named(c.SPAN_LEG) if s.resource.get(c.R_CLUSTER) == run.cluster
+              and s.resource.get(c.R_INSTANCE) == "decode-0" and s.start_ns >= back_ns]
+    added = engine.get("pd.engine.kv_peers_added", 0)
+    print(f"kv_peers_added {added}; legs on the restarted decode-0: {len(served)}")
+    assert added >= (3 if served else 2), (added, len(served))
 
 
 def test_decode_restart_legs_in_flight_end_and_later_requests_complete(decode_restart):
