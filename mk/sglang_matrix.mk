@@ -10,7 +10,7 @@
 # live: then a live PD pair of that release on this CPU (tests/live/release:
 # healthy, and transfer-wedge where the lifecycle is hooked), with the project's
 # sidecar, Prometheus and Alertmanager (py-spy from the project venv's bin/, on
-# PATH); about 6 minutes a release.
+# PATH); about 4.5 minutes a release.
 #   SGLANG_MATRIX='VERSION:STATE[:check-only|:live] ...' picks releases, each with
 #   the plugin state `pdwatch check` must report there; check-only: no contract
 #   test (a release without SGLang's plugin loader, where no row of the table
