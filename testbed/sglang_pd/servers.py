@@ -11,13 +11,13 @@ an idle scheduler waits on its sockets instead of spinning a core.
 
 from __future__ import annotations
 
-import functools
 import sys
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
+
+from pdwatch.engine_patches.sglang.targets import installed_version
 
 from ..engine import Ready
 from ..processes import EngineProcess
@@ -60,13 +60,13 @@ RETRACTION_BACKUP = "--disaggregation-decode-retraction-backup"
 RETRACTION_BACKUP_SINCE = "0.5.17"
 
 
-@functools.cache
-def sglang_version() -> Version | None:
-    """The installed SGLang's release, from its metadata (importing sglang costs seconds)."""
+def has_retraction_backup() -> bool:
+    """From the installed SGLang's metadata (importing sglang costs seconds); a version that does not
+    parse (a source checkout) counts as new."""
     try:
-        return Version(metadata.version("sglang"))
-    except (metadata.PackageNotFoundError, InvalidVersion):
-        return None
+        return Version(installed_version() or RETRACTION_BACKUP_SINCE) >= Version(RETRACTION_BACKUP_SINCE)
+    except InvalidVersion:
+        return True
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ class SglangServer(EngineProcess):
         ]
         if self.role == "prefill":
             args += ["--disaggregation-bootstrap-port", str(self.ports.bootstrap)]
-        elif (sglang_version() or Version(RETRACTION_BACKUP_SINCE)) >= Version(RETRACTION_BACKUP_SINCE):
+        elif has_retraction_backup():
             args += [RETRACTION_BACKUP, "none"]
         return [*args, *self.extra]
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from pdwatch import contract as c
 from pdwatch.testbed.sidecar_process import SidecarProcess
 from tests.support.otlp_receiver import OtlpReceiver
 
@@ -146,3 +147,23 @@ def run_live(world: World, scenario: str, *, seconds: float, until=None, grace_s
     finally:
         stack.stop()
     return run
+
+
+# ---- readers of a finished run, shared by the live modules ------------------------------------
+
+HEADLINE = "PDRequestStuckWhileOthersFlow"
+
+
+def instances(run: Run) -> dict[str, dict]:
+    """The run's cluster's instances, by name, from /api/v1/summary as read just before the stack stopped."""
+    return {i["pd_instance"]: i for i in run.summary["instances"] if i["cluster"] == run.cluster}
+
+
+def hook_errors(run: Run) -> dict[str, int]:
+    return {name: rank["engine"].get(c.H_HOOK_ERRORS, 0)
+            for name, inst in instances(run).items() for rank in inst["ranks"]}
+
+
+def pages(world: World, run: Run) -> list[tuple[float, dict]]:
+    """When Alertmanager's webhook received the headline page for this run's cluster, and the alert."""
+    return [(t, a) for t, _p, a in world.monitoring.webhook.alerts(HEADLINE) if a["labels"].get("pd_cluster") == run.cluster]

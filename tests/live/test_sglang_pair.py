@@ -25,11 +25,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdwatch import contract as c
 
-from .conftest import FLOORS_S, HEARTBEAT_S, POLL_S, run_live
+from .conftest import FLOORS_S, HEARTBEAT_S, POLL_S, hook_errors, instances, pages, run_live
 
 pytestmark = [pytest.mark.integration, pytest.mark.live]
-
-HEADLINE = "PDRequestStuckWhileOthersFlow"
 
 
 def samples(metrics: str, name: str, **labels) -> list[float]:
@@ -39,15 +37,6 @@ def samples(metrics: str, name: str, **labels) -> list[float]:
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
                 out.append(s.value)
     return out
-
-
-def instances(run) -> dict[str, dict]:
-    return {i["pd_instance"]: i for i in run.summary["instances"] if i["cluster"] == run.cluster}
-
-
-def hook_errors(run) -> dict[str, int]:
-    return {name: rank["engine"].get(c.H_HOOK_ERRORS, 0)
-            for name, inst in instances(run).items() for rank in inst["ranks"]}
 
 
 def post_generate(port: int, body: dict, headers: dict | None = None, timeout_s: float = 120) -> dict:
@@ -60,11 +49,6 @@ def post_generate(port: int, body: dict, headers: dict | None = None, timeout_s:
         return json.loads(resp.read())
     finally:
         conn.close()
-
-
-def pages(world, run) -> list[tuple[float, dict]]:
-    """When Alertmanager's webhook received the headline page for this run's cluster, and the alert."""
-    return [(t, a) for t, _p, a in world.monitoring.webhook.alerts(HEADLINE) if a["labels"].get("pd_cluster") == run.cluster]
 
 
 def ok_after(run, t: float) -> list:

@@ -20,11 +20,10 @@ from pdwatch import contract as c
 from pdwatch.engine_patches.sglang import check
 from pdwatch.testbed.sglang_pd.servers import BASE_ENV
 
-from ..conftest import FLOORS_S, run_live
+from ..conftest import FLOORS_S, hook_errors, instances, pages, run_live
 
 pytestmark = [pytest.mark.integration, pytest.mark.live]
 
-HEADLINE = "PDRequestStuckWhileOthersFlow"
 # PDWatchPluginInactive's `for` (2 m) after the first heartbeat, and a few evaluations more.
 BLIND_WAIT_S = 150.0
 
@@ -34,18 +33,9 @@ def report():
     return check.run_check()
 
 
-def instances(world, run) -> dict[str, dict]:
-    return {i["pd_instance"]: i for i in run.summary["instances"] if i["cluster"] == run.cluster}
-
-
 def blind_alerts(world, cluster: str) -> list[dict]:
     return [a for a in world.monitoring.firing()
             if a["labels"]["alertname"] == c.ALERT_PLUGIN_INACTIVE and a["labels"].get("pd_cluster") == cluster]
-
-
-def pages(world, run) -> list[tuple[float, dict]]:
-    return [(t, a) for t, _p, a in world.monitoring.webhook.alerts(HEADLINE)
-            if a["labels"].get("pd_cluster") == run.cluster]
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +66,8 @@ def test_the_release_is_the_one_checked(report):
 
 
 def test_every_instance_heartbeats_the_state_check_predicts(healthy, report):
-    run, world, _seen = healthy
-    insts = instances(world, run)
+    run, _world, _seen = healthy
+    insts = instances(run)
     assert set(insts) == {"prefill-0", "decode-0", "decode-1"}, set(insts)
     for name, inst in insts.items():
         assert inst["up"], (name, inst["state"])
@@ -97,9 +87,8 @@ def test_requests_are_served_and_nothing_is_named(healthy):
 
 
 def test_no_hook_error_on_any_rank(healthy):
-    run, world, _seen = healthy
-    errors = {name: rank["engine"].get(c.H_HOOK_ERRORS, 0)
-              for name, inst in instances(world, run).items() for rank in inst["ranks"]}
+    run, _world, _seen = healthy
+    errors = hook_errors(run)
     assert errors and all(n == 0 for n in errors.values()), errors
 
 
