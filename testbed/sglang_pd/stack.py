@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import os
 import shutil
 import signal
@@ -356,8 +357,11 @@ class SglangStack(StackBase):
     # ---- stop ------------------------------------------------------------------
 
     def _release(self) -> None:
-        if self._dir is not None:
+        # PDWATCH_TESTBED_KEEP=1 keeps the servers' logs and fault files for a post-mortem.
+        if self._dir is not None and os.environ.get("PDWATCH_TESTBED_KEEP") != "1":
             shutil.rmtree(self._dir, ignore_errors=True)
+        elif self._dir is not None:
+            logging.getLogger("pdwatch.testbed.sglang_pd").warning("kept the stack's directory %s", self._dir)
 
 
 __all__ = ["SglangStack", "EngineStartError"]

@@ -19,11 +19,16 @@ from pdwatch import contract as c
 from pdwatch.testbed.sidecar_process import SidecarProcess
 from tests.support.otlp_receiver import OtlpReceiver
 
-HEARTBEAT_S = 1.0
+# The plugin's default (contract DEFAULT_HEARTBEAT_S). The evidence rules scale with it: a loop is frozen
+# past 2 intervals, an instance down past 3. At 1 s a loaded 2-core machine once held a prefill pass 3.5 s,
+# past the 2 s loop rule, and once starved a heartbeat past 3 s: pages no production interval would give.
+HEARTBEAT_S = c.DEFAULT_HEARTBEAT_S
 # transfer: the production default (contract DEFAULT_FLOORS_S), so that in the transfer-wedge the
 # overtaken evidence (about 6 s after the wedge here) names the first stuck leg, as it would in production,
 # before the threshold does.
-FLOORS_S = {"bootstrap": 10.0, "queued": 20.0, "prefill": 20.0, "transfer": 15.0, "decode": 5.0}
+# decode: above the loop rule (2 heartbeats) plus a heartbeat, so a frozen decode loop is named on its
+# evidence before its legs' threshold; low enough that a long generation outlives it in seconds.
+FLOORS_S = {"bootstrap": 10.0, "queued": 20.0, "prefill": 20.0, "transfer": 15.0, "decode": 8.0}
 FLOW_WINDOW_S = 60.0
 POLL_S = 0.5
 READ_TIMEOUT_S = 60.0
@@ -87,6 +92,17 @@ class Run:
 
     def families(self) -> set[str]:
         return {d["family"] for p in self.polls for d in p["diagnosis"]}
+
+    def stuck_told(self, limit: int = 5) -> list[str]:
+        """The first judgement of each leg ever stuck, in words a failing assert can show in full."""
+        seen: dict[str, str] = {}
+        for p in self.polls:
+            for s in p["stuck"]:
+                key = f"{s['trace_id']}/{s['role']}"
+                if key not in seen:
+                    seen[key] = (f"{s['pd_instance']} {s['role']} {s['stage']} {s['reason']} "
+                                 f"age {s['stage_age_s']} s > {s['threshold_s']} s: {s.get('why')}")
+        return list(seen.values())[:limit]
 
 
 class Poller:

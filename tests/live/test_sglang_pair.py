@@ -116,7 +116,7 @@ def test_both_roles_finish_ok_nothing_stuck_every_instance_up(healthy):
     run, _extra, _world = healthy
     assert run.truth.requests and all(r.outcome == "ok" for r in run.truth.requests if r.done_at), \
         [(r.outcome, r.reason) for r in run.truth.requests if r.outcome != "ok"][:5]
-    assert not run.stuck_ever(), run.stuck_ever()[:3]
+    assert not run.stuck_ever(), run.stuck_told()
     assert not run.families(), run.families()
     insts = instances(run)
     assert set(insts) == {"prefill-0", "decode-0", "decode-1"}
@@ -276,10 +276,10 @@ def test_probes_have_their_own_traces_and_never_count_as_flow(healthy):
 
 @pytest.fixture(scope="module")
 def long_decode(live_world):
-    # Every fifth request asks for 4 x the 5 s floor at a nominal 8 ms a token: 2,500 tokens. Beside
+    # Every fifth request asks for 4 x the 8 s floor at a nominal 12 ms a token: 2,667 tokens. Beside
     # the other load on two cores the decode makes 100-350 tokens/s in all, so each long generation
-    # runs past the floor (CI once ran 2,000 tokens in 7.2 s), producing all along. The run is watched
-    # until they end.
+    # runs past the floor (2,500 tokens took 13-21 s here, 15.8 s on CI), producing all along. The run
+    # is watched until they end.
     load_s = 30.0
 
     def until(run) -> bool:
@@ -290,7 +290,7 @@ def long_decode(live_world):
         return bool(long) and all(r.done_at for r in long)
 
     return run_live(live_world, "long-decode", seconds=load_s, grace_s=90.0, until=until, rate=1.0,
-                    token_interval_s=0.008, context_length=4096)
+                    token_interval_s=0.012, context_length=4096)
 
 
 def test_long_generations_are_never_stuck(long_decode):
@@ -302,7 +302,7 @@ def test_long_generations_are_never_stuck(long_decode):
     # The premise: a stage timer on decode would have fired; pdwatch ages a decode from its last token.
     assert slowest > FLOORS_S["decode"], f"the long generations took {slowest:.1f} s, not past the floor"
     print(f"slowest long generation {slowest:.1f} s against the decode floor of {FLOORS_S['decode']:.0f} s")
-    assert not run.stuck_ever(), run.stuck_ever()[:3]
+    assert not run.stuck_ever(), run.stuck_told()
     assert not run.families(), run.families()
 
 
@@ -580,7 +580,7 @@ def test_long_prompt_wedge_contrast_names_the_prompt_length(long_prompt_wedge):
           "ever:", sorted({(s["role"], s["stage"], s["pd_instance"]) for s in run.stuck_ever()}))
     # SGLang's own KV sender holds them: the first prefill legs named are long prompts in transfer, and
     # short ones flow. A short prompt's decode leg may be named with them: it waits in transfer while
-    # the prefill works through long prompts on this CPU, past the 5 s floor (seen once in CI's runs).
+    # the prefill works through long prompts on this CPU, past the decode floor (seen once in CI's runs).
     short = [(s["role"], s["stage"], round(s["stage_age_s"], 1), s["threshold_s"], s["reason"]) for s in stuck
              if s["trace_id"] not in long_ones]
     print("short prompts among the first stuck:", short)
@@ -676,7 +676,7 @@ def long_forward(live_world):
 def test_loop_stalls_shorter_than_the_rule_name_nothing(long_forward):
     run = long_forward
     assert len([e for e in run.events if e["event"] == "loop_thawed"]) == 3, run.events
-    assert not run.stuck_ever(), run.stuck_ever()[:3]
+    assert not run.stuck_ever(), run.stuck_told()
     assert not run.families(), run.families()
     assert all(r.outcome == "ok" for r in run.truth.requests if r.done_at)
 
