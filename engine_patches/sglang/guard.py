@@ -1,112 +1,28 @@
 """Checks the running SGLang against the hook table, before anything is hooked,
-and decides what the plugin installs.
-
-A refused target refuses its whole group, and the group's need (targets.py,
-`GROUP_NEED`) decides the plugin state: an essential group refused leaves
-nothing to install (no recorder, so no heartbeat either); a lifecycle target
-refused refuses the whole lifecycle, since a partial set would record legs
-that enter stages and never leave them, which the sidecar would report as
-stuck, and the plugin only heartbeats (`inactive`); an optional group refused
-alone leaves the rest installed (`partial`).
-"""
+and decides what the plugin installs: the engine-neutral guard (hook_table.py)
+with SGLang's groups (targets.GROUP_NEED)."""
 
 from __future__ import annotations
 
-import importlib
-import inspect
 from collections.abc import Iterable, Mapping
-from typing import NamedTuple
 
-from pdwatch import contract as c
-
-from .targets import ESSENTIAL, GROUP_NEED, LIFECYCLE, TARGETS, Target
-
-
-def problems_with(target: Target) -> list[str]:
-    """What is missing for one target in the running SGLang (empty: all there)."""
-    if target.gap:
-        return [f"{target.path}: not hooked on this release ({target.transition})"]
-    try:
-        module = importlib.import_module(target.module)
-    except Exception as exc:  # ImportError, or whatever the module raises on import
-        return [f"{target.path}: module {target.module} does not import ({type(exc).__name__}: {exc})"]
-    cls = getattr(module, target.cls, None)
-    if not isinstance(cls, type):
-        return [f"{target.path}: class {target.cls} not found in {target.module}"]
-    fn = cls.__dict__.get(target.method)
-    if fn is None:
-        return [f"{target.path}: method {target.method} not defined on {target.cls}"]
-    fn = inspect.unwrap(getattr(fn, "__func__", fn))
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return [f"{target.path}: signature unreadable"]
-    return [f"{target.path}: parameter {p!r} missing" for p in target.params if p not in params]
-
-
-def missing_targets(targets: Iterable[Target] = TARGETS) -> list[str]:
-    out: list[str] = []
-    for target in targets:
-        out.extend(problems_with(target))
-    return out
-
-
-def short(target: Target) -> str:
-    """Class.method, as pd.plugin.refused names a target."""
-    return f"{target.cls}.{target.method}"
-
-
-class Plan(NamedTuple):
-    state: str  # c.PLUGIN_ACTIVE / PARTIAL / INACTIVE
-    install: tuple[Target, ...]  # the targets to hook
-    refused: tuple[str, ...]  # "Class.method: why", one per target not hooked
-    lifecycle: bool  # lifecycle spans recorded (False: heartbeats only)
-    heartbeats: bool  # a recorder is created at all
-
-
-def plan(table: Iterable[Target], problems: Mapping[str, list[str]]) -> Plan:
-    """What to install, given each target's problems (by path; absent or empty: fine)."""
-    table = tuple(table)
-    broken: dict[str, str] = {}  # group -> its first refused target
-    for t in table:
-        if problems.get(t.path) or t.gap:
-            broken.setdefault(t.group, short(t))
-    need = {g: GROUP_NEED.get(g, LIFECYCLE) for g in broken}
-    essential = any(n == ESSENTIAL for n in need.values())
-    lifecycle = not essential and not any(n == LIFECYCLE for n in need.values())
-    install: list[Target] = []
-    refused: list[str] = []
-    for t in table:
-        why = "; ".join(p.split(": ", 1)[-1] for p in problems.get(t.path, ())) or (
-            f"not hooked on this release ({t.transition})" if t.gap else "")
-        if essential:
-            kept, why = False, why or f"not installed: the essential {_first(broken, need, ESSENTIAL)} is refused"
-        elif not lifecycle and GROUP_NEED.get(t.group, LIFECYCLE) != ESSENTIAL and t.group not in _HEARTBEAT:
-            kept, why = False, why or f"lifecycle refused with {_first(broken, need, LIFECYCLE)}"
-        elif t.group in broken:
-            kept, why = False, why or f"group {t.group} refused with {broken[t.group]}"
-        else:
-            kept = True
-        if kept:
-            install.append(t)
-        else:
-            refused.append(f"{short(t)}: {why}")
-    if not lifecycle:  # essential refused too: nothing hooked, no heartbeat says so
-        state = c.PLUGIN_INACTIVE
-    else:
-        state = c.PLUGIN_PARTIAL if refused else c.PLUGIN_ACTIVE
-    return Plan(state, tuple(install), tuple(refused), lifecycle, not essential)
-
+from ..hook_table import Plan, missing_targets, problems_with, short
+from ..hook_table import plan as _plan
+from .targets import GROUP_NEED, TARGETS, Target
 
 # The optional groups a heartbeat-only plugin still installs: they touch no leg.
 _HEARTBEAT = frozenset({"shutdown"})
 
 
-def _first(broken: Mapping[str, str], need: Mapping[str, str], kind: str) -> str:
-    return next(target for group, target in broken.items() if need[group] == kind)
+def plan(table: Iterable[Target], problems: Mapping[str, list[str]]) -> Plan:
+    """What to install, given each target's problems (by path; absent or empty: fine)."""
+    return _plan(table, problems, GROUP_NEED, _HEARTBEAT)
 
 
-def plan_for_running(table: Iterable[Target]) -> Plan:
+def plan_for_running(table: Iterable[Target] = TARGETS) -> Plan:
     """The plan for the SGLang this process imports (the plugin's start-up check)."""
     table = tuple(table)
     return plan(table, {t.path: problems_with(t) for t in table})
+
+
+__all__ = ["Plan", "missing_targets", "plan", "plan_for_running", "problems_with", "short"]

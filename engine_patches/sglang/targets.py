@@ -18,10 +18,14 @@ range where releases differ (see `for_version`).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
+
+from ..hook_table import ESSENTIAL as ESSENTIAL
+from ..hook_table import GAP as GAP
+from ..hook_table import LIFECYCLE as LIFECYCLE
+from ..hook_table import OPTIONAL as OPTIONAL
+from ..hook_table import Target as Target
 
 SCHED = "sglang.srt.managers.scheduler.Scheduler"
 PREFILL = "sglang.srt.disaggregation.prefill"
@@ -35,40 +39,6 @@ TIME_STATS = "sglang.srt.observability.req_time_stats.APIServerReqTimeStats"
 _REQ_ARRIVAL = ("Req.rid", "Req.bootstrap_room", "Req.bootstrap_host", "Req.bootstrap_port",
                 "Req.origin_input_ids")
 NIXL_MGR = "sglang.srt.disaggregation.nixl.conn.NixlKVManager"
-# The hook of a gap row: on the row's releases the transition has no target pdwatch hooks (yet); the
-# row stands refused, so the plan knows what it costs (a lifecycle gap: heartbeats only).
-GAP = ""
-
-
-class Target(NamedTuple):
-    path: str  # module.Class.method, as HookRegistry takes it
-    hook_type: str  # "before" | "after" | "around"
-    hook: str  # name of the function in engine_patches.sglang.hooks; "": none (see GAP)
-    transition: str  # what the hook records
-    params: tuple[str, ...] = ()
-    attrs: tuple[str, ...] = ()
-    kwonly: tuple[str, ...] = ()  # keyword-only parameters the hook reads by name
-    group: str = "lifecycle"  # what refusing it costs: GROUP_NEED; unclassified counts as lifecycle
-    versions: str = ""  # the SGLang releases the row is for, a PEP 440 specifier; empty: every one
-
-    @property
-    def gap(self) -> bool:
-        """A row with no hook: what the target records cannot be hooked on these releases (refused)."""
-        return not self.hook
-
-    @property
-    def module(self) -> str:
-        return self.path.rsplit(".", 2)[0]
-
-    @property
-    def cls(self) -> str:
-        return self.path.rsplit(".", 2)[1]
-
-    @property
-    def method(self) -> str:
-        return self.path.rsplit(".", 2)[2]
-
-
 TARGETS: tuple[Target, ...] = (
     # -- process and loop ----------------------------------------------------
     Target(f"{SCHED}.init_disaggregation", "after", "on_scheduler_ready",
@@ -203,7 +173,6 @@ TARGETS: tuple[Target, ...] = (
            ("NixlKVManager.transfer_infos", "CommonKVManager.kv_args", "KVArgs.kv_item_lens"), group="nixl_bytes"),
 )
 
-ESSENTIAL, LIFECYCLE, OPTIONAL = "essential", "lifecycle", "optional"
 # What refusing a group costs. essential: no recorder, so nothing at all (not even heartbeats);
 # lifecycle: heartbeats only (inactive); optional: the group alone (partial).
 GROUP_NEED = {
