@@ -1,0 +1,41 @@
+"""pdwatch's vLLM adapter: the real engine emits the pdwatch telemetry contract.
+
+Two parts, no fork. What records is `connector.NixlConnector`, vLLM's
+NixlConnector with the hooks of one table (targets.py), loaded with the KV
+transfer config's `kv_connector_module_path`; vLLM builds it in the EngineCore
+(SCHEDULER role: every leg's stages) and in each Worker (WORKER role). `plugin()`
+is the `vllm.general_plugins` entry point, which vLLM calls in each of its
+processes: it checks the table against the running vLLM and says in the log
+what a refused target costs, before a request arrives. Enable both with
+PDWATCH_VLLM=1 in the server's environment; see docs/vllm.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from pdwatch import contract as c
+
+log = logging.getLogger("pdwatch.vllm")
+
+# What the last plugin() call found: "off", or the plan's state (active, partial, inactive).
+status = "not loaded"
+problems: list[str] = []
+
+
+def plugin() -> None:
+    """Entry point vLLM calls in every process: check every target of the table."""
+    global status, problems
+    if os.environ.get(c.ENV_VLLM, "").strip().lower() not in ("1", "true", "yes", "on"):
+        status = "off"
+        return
+    from ..hook_table import plan_for_running
+    from . import targets
+
+    plan = plan_for_running(targets.TARGETS, targets.GROUP_NEED, targets.HEARTBEAT_GROUPS)
+    problems = list(plan.refused)
+    status = plan.state
+    if plan.refused:
+        log.warning("pdwatch: this vLLM lacks hook target(s); plugin state %s: %s", plan.state,
+                    "; ".join(plan.refused))

@@ -1,0 +1,211 @@
+"""The adapter's hooks: each runs after the vLLM connector method its table row names
+(targets.py), on the EngineCore's scheduler thread, and only appends to the recorder.
+
+Each is called as hook(result, connector, *args, **kwargs) by connector.py,
+which catches and counts whatever a hook raises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from .state import room_of, state
+
+# vLLM's finished statuses (RequestStatus names) and the contract's pd.outcome for each.
+_OUTCOME = {
+    "FINISHED_STOPPED": "ok",
+    "FINISHED_LENGTH_CAPPED": "ok",
+    "FINISHED_REPETITION": "ok",
+    "FINISHED_ABORTED": "aborted",
+    "FINISHED_IGNORED": "failed",  # refused: the prompt does not fit
+    "FINISHED_ERROR": "failed",
+}
+
+
+def counted_error() -> None:
+    rec = state.rec
+    if rec is not None:
+        rec.hook_errors += 1
+    else:
+        state.early_errors += 1
+
+
+def on_connector_built(result: Any, self: Any, vllm_config: Any, role: Any, *args: Any, **kwargs: Any) -> None:
+    name = getattr(role, "name", str(role))
+    if name == "SCHEDULER":
+        state.start(self, vllm_config)
+    elif name == "WORKER" and self.connector_worker is not None:
+        for row in state.worker_rows:
+            _wrap_worker(self.connector_worker, row.method, globals()[row.hook])
+
+
+def _wrap_worker(worker: Any, name: str, hook: Callable[..., None]) -> None:
+    """Wrap one method of this worker object (not its class): after it, the hook, errors counted."""
+    original = getattr(worker, name)
+
+    def method(*args: Any, **kwargs: Any) -> Any:
+        before = _before(worker, name)
+        result = original(*args, **kwargs)
+        try:
+            hook(result, worker, *args, before=before, **kwargs)
+        except Exception:
+            counted_error()
+        return result
+
+    setattr(worker, name, method)
+
+
+def _before(worker: Any, name: str) -> Any:
+    """What a worker hook needs of the state before the call: the leases still held."""
+    if name == "_reap_expired_send_leases":
+        pending = worker._reqs_to_send
+        return tuple(pending) if pending else ()
+    return None
+
+
+def on_leases_reaped(result: Any, worker: Any, done_sending: set[str], *args: Any, before: Any = (),
+                     **kwargs: Any) -> None:
+    """Leases held before the reap that it freed: vLLM moved them to done_sending unread."""
+    if not before:
+        return
+    held = worker._reqs_to_send
+    expired = {rid for rid in before if rid not in held and rid in done_sending}
+    if expired:
+        state.lease_expired |= expired
+
+
+def on_worker_meta(call: Callable[[], Any], self: Any, *args: Any, **kwargs: Any) -> Any:
+    result = call()
+    if result is not None or not state.lease_expired:
+        return result  # vLLM's own metadata, if it ever has some, goes first
+    from .worker_meta import PdwatchWorkerMeta
+
+    expired, state.lease_expired = state.lease_expired, set()
+    return PdwatchWorkerMeta(lease_expired=expired)
+
+
+def on_new_request(result: Any, self: Any, request: Any, *args: Any, **kwargs: Any) -> None:
+    lc = state.lc
+    if lc is None:
+        return
+    rid = request.request_id
+    params = request.kv_transfer_params or {}
+    headers = request.trace_headers
+    if state.role == "decode":
+        prefill_rid, peer, stage = params.get("remote_request_id"), params.get("remote_engine_id"), "bootstrap"
+    else:
+        prefill_rid, peer, stage = rid, None, "queued"  # nothing to handshake before: the decode pulls later
+    lc.arrive(rid, bootstrap_room=room_of(str(prefill_rid)) if prefill_rid else None,
+              traceparent=headers.get("traceparent") if headers else None,
+              prompt_tokens=request.num_prompt_tokens, peer=str(peer) if peer else None)
+    lc.enter(rid, stage)
+    state.note(rid, stage)
+
+
+def on_blocks_allocated(result: Any, self: Any, request: Any, blocks: Any, num_external_tokens: int,
+                        *args: Any, **kwargs: Any) -> None:
+    lc = state.lc
+    if lc is None or state.role != "decode":
+        return
+    rid = request.request_id
+    if state.stages.get(rid) != "bootstrap":
+        return
+    # Nothing to read (a full local prefix hit, or no remote prefill): the leg waits for a batch.
+    stage = "transfer" if num_external_tokens > 0 else "queued"
+    lc.enter(rid, stage)
+    state.stages[rid] = stage
+
+
+def on_step(result: Any, self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> None:
+    rec = state.rec
+    if rec is None:
+        return
+    rec.loop_tick()
+    lc = state.lc
+    stages = state.stages
+    if lc is None or not stages:
+        return
+    working = "decode" if state.role == "decode" else "prefill"
+    preempted = scheduler_output.preempted_req_ids
+    if preempted:
+        for rid in preempted:
+            if rid in stages:
+                lc.enter(rid, "queued")
+                stages[rid] = "queued"
+    for new in scheduler_output.scheduled_new_reqs:
+        _working(lc, stages, new.req_id, working)
+    cached = scheduler_output.scheduled_cached_reqs
+    for rid in cached.resumed_req_ids:
+        _working(lc, stages, rid, working)
+    if working == "decode":
+        # A decode step makes one token for each request it schedules.
+        for new in scheduler_output.scheduled_new_reqs:
+            if stages.get(new.req_id) == "decode":
+                lc.token(new.req_id)
+        for rid in cached.req_ids:
+            if stages.get(rid) == "decode":
+                lc.token(rid)
+
+
+def _working(lc: Any, stages: dict[str, str], rid: str, stage: str) -> None:
+    now = stages.get(rid)
+    if now is not None and now != stage:
+        lc.enter(rid, stage)
+        stages[rid] = stage
+
+
+def on_transfer_results(result: Any, self: Any, connector_output: Any, *args: Any, **kwargs: Any) -> None:
+    lc = state.lc
+    if lc is None:
+        return
+    stages = state.stages
+    meta = getattr(connector_output, "kv_connector_worker_meta", None)
+    expired = getattr(meta, "lease_expired", None) or ()
+    # The prefill's blocks were read (the workers say done sending), or their lease ran out: its leg ends.
+    for rid in _ids(connector_output.finished_sending):
+        if stages.get(rid) == "transfer":
+            del stages[rid]
+            if rid in expired:
+                lc.finish(rid, "timeout", reason="KV lease expired: the blocks were freed before the decode read them")
+            else:
+                lc.finish(rid, "ok")
+    failed = connector_output.failed_recving or ()
+    for rid in failed:
+        if rid in stages:
+            lc.leg_error(rid, "KV READ failed")
+    # A decode's READ is done (failed ones are in this set too): it waits for a batch.
+    for rid in _ids(connector_output.finished_recving):
+        if stages.get(rid) == "transfer":
+            lc.enter(rid, "queued")
+            stages[rid] = "queued"
+
+
+def _ids(ids: Iterable[str] | None) -> Iterable[str]:
+    return ids or ()
+
+
+def on_request_finished(result: Any, self: Any, request: Any, block_ids: Any, *args: Any, **kwargs: Any) -> None:
+    lc = state.lc
+    if lc is None:
+        return
+    rid = request.request_id
+    stages = state.stages
+    if rid not in stages:
+        return
+    status = getattr(request.status, "name", str(request.status))
+    outcome = _OUTCOME.get(status, "failed")
+    delay_free = bool(result and result[0])
+    if state.role == "prefill" and delay_free and outcome == "ok":
+        # Its blocks stay for the decode's READ, until the workers report them read.
+        lc.enter(rid, "transfer")
+        stages[rid] = "transfer"
+        return
+    del stages[rid]
+    lc.finish(rid, outcome, reason=None if outcome == "ok" else f"vLLM status {status}",
+              output_tokens=request.num_output_tokens)
+
+
+def on_shutdown(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
+    if self.connector_scheduler is not None:
+        state.leave()
