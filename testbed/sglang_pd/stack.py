@@ -357,8 +357,8 @@ class SglangStack(StackBase):
     # ---- stop ------------------------------------------------------------------
 
     def _release(self) -> None:
-        # PDWATCH_TESTBED_KEEP=1 keeps the servers' logs and fault files for a post-mortem.
-        if self._dir is not None and os.environ.get("PDWATCH_TESTBED_KEEP") != "1":
+        # PDWATCH_TESTBED_KEEP=1 (c.ENV_TESTBED_KEEP) keeps the servers' logs and fault files for a post-mortem.
+        if self._dir is not None and os.environ.get(c.ENV_TESTBED_KEEP) != "1":
             shutil.rmtree(self._dir, ignore_errors=True)
         elif self._dir is not None:
             logging.getLogger("pdwatch.testbed.sglang_pd").warning("kept the stack's directory %s", self._dir)

@@ -52,7 +52,7 @@ def server_env(instance: str, core: int, side_port: int, otlp: str | None, clust
     env.update({"CUDA_VISIBLE_DEVICES": "", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core),
                 "UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp,self", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
                 "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port), c.ENV_VLLM: "1", c.ENV_INSTANCE: instance,
-                c.ENV_CLUSTER: cluster, "PDWATCH_HEARTBEAT_S": str(c.DEFAULT_HEARTBEAT_S)})
+                c.ENV_CLUSTER: cluster, c.ENV_HEARTBEAT: str(c.DEFAULT_HEARTBEAT_S)})
     if otlp:
         env[c.ENV_OTLP_ENDPOINT] = otlp
     return env
