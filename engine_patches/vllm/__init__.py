@@ -12,16 +12,21 @@ PDWATCH_VLLM=1 in the server's environment; see docs/vllm.md.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+from typing import Any
 
 from pdwatch import contract as c
+
+from ..hook_table import Target
 
 log = logging.getLogger("pdwatch.vllm")
 
 # What the last plugin() call found: "off", or the plan's state (active, partial, inactive).
 status = "not loaded"
 problems: list[str] = []
+hook_errors = 0  # the API server's hooks (no recorder there): counted, logged nowhere yet
 
 
 def plugin() -> None:
@@ -39,3 +44,31 @@ def plugin() -> None:
     if plan.refused:
         log.warning("pdwatch: this vLLM lacks hook target(s); plugin state %s: %s", plan.state,
                     "; ".join(plan.refused))
+    for t in plan.install:
+        if t.path.startswith(targets.ASYNC_LLM + "."):
+            _patch_before(t)
+
+
+def _patch_before(target: Target) -> None:
+    """Run the hook before vLLM's coroutine method (the API server's AsyncLLM), once per process."""
+    import importlib
+
+    from . import hooks
+
+    cls = getattr(importlib.import_module(target.module), target.cls)
+    parent = cls.__dict__[target.method]
+    if getattr(parent, "_pdwatch", False):
+        return
+    hook = getattr(hooks, target.hook)
+
+    @functools.wraps(parent)
+    async def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            hook(self, *args, **kwargs)
+        except Exception:  # the engine must never suffer for pdwatch
+            global hook_errors
+            hook_errors += 1
+        return await parent(self, *args, **kwargs)
+
+    method._pdwatch = True  # type: ignore[attr-defined]
+    setattr(cls, target.method, method)

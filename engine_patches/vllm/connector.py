@@ -76,6 +76,8 @@ def install(table: tuple[Target, ...]) -> None:
     """Connector rows become overrides of this class; the worker's rows are wrapped on each worker
     object as vLLM builds it (hooks.on_connector_built)."""
     for t in table:
+        if t.path.startswith(targets.ASYNC_LLM + "."):
+            continue  # the API server's: the entry point patches it (plugin())
         if t.path.startswith(targets.WORKER + "."):
             state.worker_rows.append(t)
         elif t.hook_type == "around":

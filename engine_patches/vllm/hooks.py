@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from .state import room_of, state
+from .targets import TRACEPARENT_KEY
 
 # vLLM's finished statuses (RequestStatus names) and the contract's pd.outcome for each.
 _OUTCOME = {
@@ -92,15 +93,28 @@ def on_new_request(result: Any, self: Any, request: Any, *args: Any, **kwargs: A
     rid = request.request_id
     params = request.kv_transfer_params or {}
     headers = request.trace_headers
+    traceparent = headers.get("traceparent") if headers else None
+    if traceparent is None:
+        extra = request.sampling_params.extra_args if request.sampling_params is not None else None
+        traceparent = extra.get(TRACEPARENT_KEY) if extra else None
     if state.role == "decode":
         prefill_rid, peer, stage = params.get("remote_request_id"), params.get("remote_engine_id"), "bootstrap"
     else:
         prefill_rid, peer, stage = rid, None, "queued"  # nothing to handshake before: the decode pulls later
     lc.arrive(rid, bootstrap_room=room_of(str(prefill_rid)) if prefill_rid else None,
-              traceparent=headers.get("traceparent") if headers else None,
+              traceparent=traceparent,
               prompt_tokens=request.num_prompt_tokens, peer=str(peer) if peer else None)
     lc.enter(rid, stage)
     state.note(rid, stage)
+
+
+def on_add_request(self: Any, request_id: str, prompt: Any, params: Any, arrival_time: Any = None,
+                   lora_request: Any = None, tokenization_kwargs: Any = None, trace_headers: Any = None,
+                   *args: Any, **kwargs: Any) -> None:
+    """API server, before vLLM's add_request: keep the traceparent where the EngineCore will find it."""
+    traceparent = trace_headers.get("traceparent") if trace_headers else None
+    if traceparent and hasattr(params, "extra_args"):
+        params.extra_args = {**(params.extra_args or {}), TRACEPARENT_KEY: traceparent}
 
 
 def on_blocks_allocated(result: Any, self: Any, request: Any, blocks: Any, num_external_tokens: int,

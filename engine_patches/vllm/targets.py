@@ -32,6 +32,11 @@ CONNECTOR = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector.NixlBas
 BASE = "vllm.distributed.kv_transfer.kv_connector.v1.base.KVConnectorBase_V1"
 # Rows of this class are wrapped on the WORKER-role connector's worker object, as vLLM builds it.
 WORKER = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker.NixlBaseConnectorWorker"
+# Rows of this class are patched in the API server by the vllm.general_plugins entry point.
+ASYNC_LLM = "vllm.v1.engine.async_llm.AsyncLLM"
+# The key under which the API server passes a request's traceparent to the EngineCore, in its sampling
+# params' extra_args (as vLLM passes kv_transfer_params).
+TRACEPARENT_KEY = "pdwatch_traceparent"
 # vLLM's NixlConnector is this subclass of the base (pull mode: the decode READs), with its own __init__.
 PULL = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector.NixlPullConnector"
 
@@ -43,7 +48,8 @@ TARGETS: tuple[Target, ...] = (
     Target(f"{CONNECTOR}.on_new_request", "after", "on_new_request",
            "arrival: a prefill leg enters queued, a decode leg bootstrap",
            ("self", "request"),
-           ("Request.request_id", "Request.kv_transfer_params", "Request.trace_headers", "Request.num_prompt_tokens")),
+           ("Request.request_id", "Request.kv_transfer_params", "Request.trace_headers", "Request.num_prompt_tokens",
+            "Request.sampling_params", "SamplingParams.extra_args")),
     Target(f"{CONNECTOR}.update_state_after_alloc", "after", "on_blocks_allocated",
            "decode: bootstrap -> transfer (blocks allocated for the READ of the prefill's KV)",
            ("self", "request", "blocks", "num_external_tokens"), ("Request.request_id",)),
@@ -66,6 +72,13 @@ TARGETS: tuple[Target, ...] = (
            "the request finished: a prefill that holds blocks for the decode's READ enters transfer; every "
            "other leg ends with vLLM's status",
            ("self", "request", "block_ids"), ("Request.request_id", "Request.status", "Request.num_output_tokens")),
+    # -- the API server ----------------------------------------------------------------------------
+    # Seen live: vLLM drops a request's trace headers unless --otlp-traces-endpoint is set, so the
+    # router's traceparent never reached the EngineCore.
+    Target(f"{ASYNC_LLM}.add_request", "before", "on_add_request",
+           "API server: the request's traceparent rides to the EngineCore in its sampling params' extra_args",
+           ("self", "request_id", "prompt", "params", "trace_headers"), ("SamplingParams.extra_args",),
+           group="traceparent"),
     # -- what only a Worker sees, carried to the EngineCore in the connector's worker metadata ----------
     Target(f"{WORKER}._reap_expired_send_leases", "after", "on_leases_reaped",
            "prefill Worker: blocks freed when their lease ran out, unread by the decode (noted for the step's "
@@ -80,6 +93,7 @@ TARGETS: tuple[Target, ...] = (
 
 # What refusing a group costs (hook_table.py).
 GROUP_NEED = {"process": ESSENTIAL, "lifecycle": LIFECYCLE, "shutdown": OPTIONAL,
+              "traceparent": OPTIONAL,  # legs joined by the room hash, not to the router's trace
               "kv_leases": OPTIONAL}  # without it an expired lease ends the prefill leg ok
 # The optional groups a heartbeat-only plugin still installs: they touch no leg.
 HEARTBEAT_GROUPS = frozenset({"shutdown"})
@@ -101,4 +115,4 @@ def by_method(table: tuple[Target, ...] = TARGETS) -> dict[str, Target]:
     return {t.method: t for t in table}
 
 
-__all__: list[Any] = ["BASE", "CONNECTOR", "PULL", "WORKER", "GROUP_NEED", "HEARTBEAT_GROUPS", "TARGETS", "by_method", "installed_version"]
+__all__: list[Any] = ["ASYNC_LLM", "BASE", "CONNECTOR", "PULL", "TRACEPARENT_KEY", "WORKER", "GROUP_NEED", "HEARTBEAT_GROUPS", "TARGETS", "by_method", "installed_version"]

@@ -25,6 +25,7 @@ OBJECT_CLASSES = {
     "NewRequestData": "vllm.v1.core.sched.output",
     "CachedRequestData": "vllm.v1.core.sched.output",
     "KVConnectorOutput": "vllm.v1.outputs",
+    "SamplingParams": "vllm.sampling_params",
     "NixlBaseConnector": "vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector",
     "NixlBaseConnectorWorker": "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker",
 }
