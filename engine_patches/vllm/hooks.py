@@ -1,8 +1,13 @@
-"""The adapter's hooks: each runs after the vLLM connector method its table row names
-(targets.py), on the EngineCore's scheduler thread, and only appends to the recorder.
+"""The adapter's hooks, one per row of the table (targets.py). Most run after the
+vLLM connector method their row names, on the EngineCore's scheduler thread, and
+only append to the recorder; one runs in the API server (on_add_request, before
+AsyncLLM.add_request) and two in the Worker (on_leases_reaped, on_worker_meta).
 
-Each is called as hook(result, connector, *args, **kwargs) by connector.py,
-which catches and counts whatever a hook raises.
+An `after` hook is called as hook(result, connector, *args, **kwargs) and an
+`around` one as hook(call, connector, *args, **kwargs); the caller
+(connector.py, or plugin() for the API server's) catches and counts whatever a
+hook raises. A Worker has no recorder: its hook errors are counted in
+state.early_errors and reported nowhere yet.
 """
 
 from __future__ import annotations
@@ -46,7 +51,11 @@ def _wrap_worker(worker: Any, name: str, hook: Callable[..., None]) -> None:
     original = getattr(worker, name)
 
     def method(*args: Any, **kwargs: Any) -> Any:
-        before = _before(worker, name)
+        try:
+            before = _before(worker, name)
+        except Exception:  # the engine must never suffer for pdwatch
+            counted_error()
+            before = None
         result = original(*args, **kwargs)
         try:
             hook(result, worker, *args, before=before, **kwargs)
