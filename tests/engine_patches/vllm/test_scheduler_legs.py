@@ -1,0 +1,171 @@
+"""vLLM's own Scheduler, with the adapter's NixlConnector in it, walks a prefill leg and a decode leg
+through the contract's stages; the spans reach a real OTLP receiver on loopback.
+
+Nothing of vLLM is stood in for but the model runner: each step's output is what a runner reports
+(a sampled token per scheduled request, the workers' transfer results). Runs in vLLM's own
+environment (docs/vllm.md), not in `make test` yet.
+"""
+
+from __future__ import annotations
+
+import importlib
+import socket
+from collections.abc import Iterator
+
+import pytest
+import torch
+from vllm import SamplingParams
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+from pdwatch import contract as c
+from pdwatch.testbed.sglang_pd.model import write_model
+from tests.support.otlp_receiver import OtlpReceiver
+
+BLOCK = 16
+TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+TRACEPARENT = f"00-{TRACE}-00f067aa0ba902b7-01"
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def receiver() -> Iterator[OtlpReceiver]:
+    with OtlpReceiver() as r:
+        yield r
+
+
+@pytest.fixture
+def adapter(monkeypatch, receiver):
+    """The adapter enabled, its state fresh, its recorder exporting to the receiver."""
+    monkeypatch.setenv(c.ENV_VLLM, "1")
+    monkeypatch.setenv(c.ENV_OTLP_ENDPOINT, receiver.url)
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", str(_port()))
+    from pdwatch.engine_patches.vllm import connector, state
+
+    importlib.reload(connector)  # installs the overrides now that PDWATCH_VLLM is set
+    state.state.reset()
+    connector.state.plan = None
+    yield connector
+    if state.state.rec is not None:
+        state.state.rec.shutdown(timeout_s=2.0)
+    state.state.reset()
+
+
+def scheduler(tmp_path, monkeypatch, kv_role: str, instance: str) -> Scheduler:
+    monkeypatch.setenv(c.ENV_INSTANCE, instance)
+    model = write_model(tmp_path / "model")
+    config = VllmConfig(
+        model_config=ModelConfig(model=str(model), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=1024),
+        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=1024, max_model_len=1024,
+                                         is_encoder_decoder=False),
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=False),
+        kv_transfer_config=KVTransferConfig(kv_connector="NixlConnector", kv_role=kv_role, kv_buffer_device="cpu",
+                                            kv_connector_module_path="pdwatch.engine_patches.vllm.connector"),
+        device_config=DeviceConfig("cpu"),
+    )
+    config.cache_config.num_gpu_blocks = 64
+    kv = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1,
+                                                      dtype=torch.float32))])
+    return Scheduler(vllm_config=config, kv_cache_config=kv, log_stats=False,
+                     structured_output_manager=StructuredOutputManager(config), block_size=BLOCK)
+
+
+def request(rid: str, max_tokens: int, params: dict, prompt: int = 40) -> Request:
+    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args={"kv_transfer_params": params})
+    return Request(request_id=rid, prompt_token_ids=list(range(3, 3 + prompt)), sampling_params=sampling,
+                   pooling_params=None, trace_headers={"traceparent": TRACEPARENT})
+
+
+def runner_output(scheduled, kv: KVConnectorOutput | None = None) -> ModelRunnerOutput:
+    ids = [r.req_id for r in scheduled.scheduled_new_reqs] + list(scheduled.scheduled_cached_reqs.req_ids)
+    return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                             sampled_token_ids=[[7] for _ in ids], kv_connector_output=kv)
+
+
+def stage_names(receiver: OtlpReceiver, role: str) -> list[str]:
+    out = []
+    for stage in c.STAGES[role]:
+        for s in receiver.named(c.stage_span_name(stage)):
+            if s.attrs.get(c.A_ROLE) == role:
+                out.append((s.start_ns, stage))
+    return [name for _t, name in sorted(out)]
+
+
+def test_a_prefill_leg_walks_queued_prefill_transfer_and_ends_when_its_blocks_are_read(
+        adapter, receiver, tmp_path, monkeypatch):
+    sched = scheduler(tmp_path, monkeypatch, "kv_producer", "prefill-0")
+    try:
+        sched.add_request(request("p-1", 1, {"do_remote_decode": True, "do_remote_prefill": False}))
+        out = sched.schedule()
+        sched.update_from_output(out, runner_output(out))  # its one token: the prefill finishes, blocks held
+        out = sched.schedule()
+        sched.update_from_output(out, runner_output(out, KVConnectorOutput(finished_sending={"p-1"})))
+        rec = adapter.state.rec
+        assert rec is not None and rec.hook_errors == 0
+        rec.flush()
+    finally:
+        sched.shutdown()
+    assert stage_names(receiver, "prefill") == ["queued", "prefill", "transfer"]
+    [leg] = receiver.named(c.SPAN_LEG)
+    assert leg.trace_id == TRACE and leg.attrs[c.A_OUTCOME] == "ok", leg.attrs
+    assert leg.resource[c.R_INSTANCE] == "prefill-0" and leg.resource[c.R_SERVICE_NAME] == "vllm"
+
+
+def test_a_decode_leg_walks_bootstrap_transfer_queued_decode_with_its_tokens(
+        adapter, receiver, tmp_path, monkeypatch):
+    sched = scheduler(tmp_path, monkeypatch, "kv_consumer", "decode-0")
+    params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "prefill-engine",
+              "remote_request_id": "p-1", "remote_block_ids": [[0, 1, 2]], "remote_host": "127.0.0.1",
+              "remote_port": _port(), "remote_num_tokens": 40, "tp_size": 1}
+    try:
+        sched.add_request(request("d-1", 4, params))
+        out = sched.schedule()  # blocks allocated for the READ: waiting for the remote KV
+        sched.update_from_output(out, runner_output(out, KVConnectorOutput(finished_recving={"d-1"})))
+        for _ in range(6):
+            out = sched.schedule()
+            if not out.total_num_scheduled_tokens:
+                continue
+            sched.update_from_output(out, runner_output(out))
+        rec = adapter.state.rec
+        assert rec is not None and rec.hook_errors == 0
+        rec.flush()
+    finally:
+        sched.shutdown()
+    assert stage_names(receiver, "decode") == ["bootstrap", "transfer", "queued", "decode"]
+    [leg] = receiver.named(c.SPAN_LEG)
+    assert leg.trace_id == TRACE and leg.attrs[c.A_OUTCOME] == "ok", leg.attrs
+    assert leg.attrs[c.A_OUTPUT_TOKENS] == 4 and leg.attrs[c.A_ROLE] == "decode"
+
+
+def test_a_lease_that_expires_unread_ends_the_prefill_leg_timeout(adapter, receiver, tmp_path, monkeypatch):
+    from pdwatch.engine_patches.vllm.worker_meta import PdwatchWorkerMeta
+
+    sched = scheduler(tmp_path, monkeypatch, "kv_producer", "prefill-0")
+    try:
+        sched.add_request(request("p-2", 1, {"do_remote_decode": True, "do_remote_prefill": False}))
+        out = sched.schedule()
+        sched.update_from_output(out, runner_output(out))
+        # The Worker freed the blocks when their lease ran out, and said so in its worker metadata.
+        out = sched.schedule()
+        sched.update_from_output(out, runner_output(out, KVConnectorOutput(
+            finished_sending={"p-2"}, kv_connector_worker_meta=PdwatchWorkerMeta(lease_expired={"p-2"}))))
+        rec = adapter.state.rec
+        assert rec is not None and rec.hook_errors == 0
+        rec.flush()
+    finally:
+        sched.shutdown()
+    [leg] = receiver.named(c.SPAN_LEG)
+    assert leg.attrs[c.A_OUTCOME] == "timeout" and leg.status_code == 2, leg.attrs  # status ERROR
+    [message] = [s.status.message for _res, s in receiver.spans() if s.name == c.SPAN_LEG]
+    assert "lease expired" in message, message
