@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
@@ -27,6 +28,11 @@ from pdwatch import contract as c
 # row stands refused, so the plan knows what it costs (a lifecycle gap: heartbeats only).
 GAP = ""
 ESSENTIAL, LIFECYCLE, OPTIONAL = "essential", "lifecycle", "optional"
+
+
+def enabled(variable: str) -> bool:
+    """An adapter records only where its enable variable (PDWATCH_SGLANG, PDWATCH_VLLM) says so."""
+    return os.environ.get(variable, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 class Target(NamedTuple):

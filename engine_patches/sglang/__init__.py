@@ -9,10 +9,10 @@ SGLang discovers it through the entry-point group `sglang.srt.plugins` (name
 from __future__ import annotations
 
 import logging
-import os
 
 from pdwatch import contract as c
 
+from ..hook_table import enabled
 from . import targets
 
 log = logging.getLogger("pdwatch.sglang")
@@ -28,7 +28,7 @@ problems: list[str] = []
 def plugin() -> None:
     """Entry point SGLang calls: check every target, then register what the plan keeps."""
     global status, problems
-    if os.environ.get(ENABLE_ENV, "").strip().lower() not in ("1", "true", "yes", "on"):
+    if not enabled(ENABLE_ENV):
         status = "off"
         return
     from .guard import plan_for_running

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from typing import Any
 
 from pdwatch import contract as c
 
-from ..hook_table import Target
+from ..hook_table import Plan, Target, enabled, plan_for_running
 
 log = logging.getLogger("pdwatch.vllm")
 
@@ -32,13 +31,12 @@ hook_errors = 0  # the API server's hooks (no recorder there): counted, logged n
 def plugin() -> None:
     """Entry point vLLM calls in every process: check every target of the table."""
     global status, problems
-    if os.environ.get(c.ENV_VLLM, "").strip().lower() not in ("1", "true", "yes", "on"):
+    if not enabled(c.ENV_VLLM):
         status = "off"
         return
-    from ..hook_table import plan_for_running
     from . import targets
 
-    plan = plan_for_running(targets.TARGETS, targets.GROUP_NEED, targets.HEARTBEAT_GROUPS)
+    plan = running_plan()
     problems = list(plan.refused)
     status = plan.state
     if plan.refused:
@@ -47,6 +45,15 @@ def plugin() -> None:
     for t in plan.install:
         if t.path.startswith(targets.ASYNC_LLM + "."):
             _patch_before(t)
+
+
+@functools.cache
+def running_plan() -> Plan:
+    """The guard's plan for the vLLM this process imports, made once: the entry point and the
+    connector module both ask for it."""
+    from . import targets
+
+    return plan_for_running(targets.TARGETS, targets.GROUP_NEED, targets.HEARTBEAT_GROUPS)
 
 
 def _patch_before(target: Target) -> None:

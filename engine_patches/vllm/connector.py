@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -24,8 +23,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConn
 
 from pdwatch import contract as c
 
-from ..hook_table import Target, plan_for_running
-from . import hooks, targets
+from ..hook_table import Target, enabled
+from . import hooks, running_plan, targets
 from .state import state
 
 log = logging.getLogger("pdwatch.vllm")
@@ -86,12 +85,8 @@ def install(table: tuple[Target, ...]) -> None:
             setattr(NixlConnector, t.method, _after(t.method, getattr(hooks, t.hook)))
 
 
-def _enabled() -> bool:
-    return os.environ.get(c.ENV_VLLM, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-if _enabled():
-    _plan = plan_for_running(targets.TARGETS, targets.GROUP_NEED, targets.HEARTBEAT_GROUPS)
+if enabled(c.ENV_VLLM):
+    _plan = running_plan()
     state.plan = _plan
     if _plan.refused:
         log.warning("pdwatch: this vLLM lacks hook target(s); plugin state %s: %s", _plan.state,

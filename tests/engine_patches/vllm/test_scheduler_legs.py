@@ -9,7 +9,6 @@ environment (docs/vllm.md), not in `make test` yet.
 from __future__ import annotations
 
 import importlib
-import socket
 from collections.abc import Iterator
 
 import pytest
@@ -23,18 +22,13 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from pdwatch import contract as c
+from pdwatch.testbed.processes import free_port
 from pdwatch.testbed.sglang_pd.model import write_model
 from tests.support.otlp_receiver import OtlpReceiver
 
 BLOCK = 16
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 TRACEPARENT = f"00-{TRACE}-00f067aa0ba902b7-01"
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture
@@ -49,7 +43,7 @@ def adapter(monkeypatch, receiver):
     monkeypatch.setenv(c.ENV_VLLM, "1")
     monkeypatch.setenv(c.ENV_OTLP_ENDPOINT, receiver.url)
     monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
-    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", str(_port()))
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", str(free_port()))
     from pdwatch.engine_patches.vllm import connector, state
 
     importlib.reload(connector)  # installs the overrides now that PDWATCH_VLLM is set
@@ -127,7 +121,7 @@ def test_a_decode_leg_walks_bootstrap_transfer_queued_decode_with_its_tokens(
     sched = scheduler(tmp_path, monkeypatch, "kv_consumer", "decode-0")
     params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "prefill-engine",
               "remote_request_id": "p-1", "remote_block_ids": [[0, 1, 2]], "remote_host": "127.0.0.1",
-              "remote_port": _port(), "remote_num_tokens": 40, "tp_size": 1}
+              "remote_port": free_port(), "remote_num_tokens": 40, "tp_size": 1}
     try:
         sched.add_request(request("d-1", 4, params))
         out = sched.schedule()  # blocks allocated for the READ: waiting for the remote KV
