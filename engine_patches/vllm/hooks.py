@@ -156,16 +156,17 @@ def on_step(result: Any, self: Any, scheduler_output: Any, *args: Any, **kwargs:
             if rid in stages:
                 lc.enter(rid, "queued")
                 stages[rid] = "queued"
+    # A decode step makes one token for each request it schedules.
+    decoding = working == "decode"
     for new in scheduler_output.scheduled_new_reqs:
-        _working(lc, stages, new.req_id, working)
+        rid = new.req_id
+        _working(lc, stages, rid, working)
+        if decoding and stages.get(rid) == "decode":
+            lc.token(rid)
     cached = scheduler_output.scheduled_cached_reqs
     for rid in cached.resumed_req_ids:
         _working(lc, stages, rid, working)
-    if working == "decode":
-        # A decode step makes one token for each request it schedules.
-        for new in scheduler_output.scheduled_new_reqs:
-            if stages.get(new.req_id) == "decode":
-                lc.token(new.req_id)
+    if decoding:
         for rid in cached.req_ids:
             if stages.get(rid) == "decode":
                 lc.token(rid)
