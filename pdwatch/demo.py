@@ -6,7 +6,8 @@ sidecar: --engine emulated (the default) runs pdwatch's own prefill and two
 decodes over NIXL, where decode-0 is restarted alone; --engine sglang runs
 real SGLang servers and SGLang's router on this CPU, where the prefill's NIXL
 writes to decode-0 stop completing (the request pinned in SGLang's inflight
-queue). It prints live progress; once the
+queue); --engine vllm runs real vLLM servers behind the testbed's PD proxy,
+where decode-0's NIXL READs stop completing. It prints live progress; once the
 sidecar reports stuck legs while other requests keep completing, it prints
 them next to the testbed's own ground truth, then the diagnosis, then waits
 for the page to reach the webhook. Exit status 0 means pdwatch caught exactly
@@ -18,21 +19,19 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from pdwatch import contract as c
+from pdwatch.testbed.engines import ENGINES
 from pdwatch.testbed.sidecar_process import SidecarProcess
 
-if TYPE_CHECKING:  # imported where they run: numpy, NIXL and SGLang load only when needed
+if TYPE_CHECKING:  # imported where they run: numpy, NIXL and the engines load only when needed
     from pdwatch.testbed.gpu_emulation import GpuEmulator
     from pdwatch.testbed.monitoring import Monitoring
-    from pdwatch.testbed.sglang_pd.stack import SglangStack
-    from pdwatch.testbed.stack import Stack
+    from pdwatch.testbed.stack_base import StackBase
 
-SCENARIOS_EXPECTING_STUCK = {"decode-restart", "transfer-wedge"}
 HEADLINE = c.ALERT_STUCK_WHILE_OTHERS_FLOW
-# Per engine: the incident scenario, and the events that mark its fault.
-INCIDENT = {"emulated": "decode-restart", "sglang": "transfer-wedge"}
+# The events that mark a scenario's fault.
 FAULT_EVENTS = ("killed", "wedge")
 
 
@@ -72,12 +71,12 @@ def _ok_count(summary: dict[str, Any]) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pdwatch demo", description=__doc__.splitlines()[0])
-    ap.add_argument("--engine", default="emulated", choices=sorted(INCIDENT),
-                    help="emulated: pdwatch's own testbed engines (the default); sglang: real SGLang servers "
-                         "and router on this CPU (about a minute more to start)")
+    ap.add_argument("--engine", default="emulated", choices=list(ENGINES),
+                    help="; ".join(f"{e.name}: {e.summary}" for e in ENGINES.values()) + " (default emulated)")
     ap.add_argument("--scenario", default=None,
-                    help="testbed scenario (default: the incident, decode-restart emulated, transfer-wedge sglang)")
-    ap.add_argument("--rate", type=float, default=None, help="requests per second (default 4 emulated, 2 sglang)")
+                    help="testbed scenario (default: the engine's incident, " + ", ".join(
+                        f"{e.incident} {e.name}" for e in ENGINES.values()) + ")")
+    ap.add_argument("--rate", type=float, default=None, help="requests per second (default 4 emulated, 2 live)")
     ap.add_argument("--restart-at", type=float, default=8.0,
                     help="seconds after the load starts when the fault happens (default 8)")
     ap.add_argument("--heartbeat-s", type=float, default=1.0, help="engine heartbeat interval (default 1)")
@@ -98,14 +97,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    sglang = args.engine == "sglang"
-    args.scenario = args.scenario or INCIDENT[args.engine]
-    args.rate = args.rate if args.rate is not None else (2.0 if sglang else 4.0)
-    expect_stuck = args.scenario in SCENARIOS_EXPECTING_STUCK
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    engine = ENGINES[args.engine]
+    live = args.engine != "emulated"
+    args.scenario = args.scenario or engine.incident
+    scenario = engine.scenario(args.scenario)
+    if scenario is None:
+        ap.error(f"scenario {args.scenario!r} does not exist for --engine {args.engine} "
+                 f"(choose from {', '.join(sorted(engine.catalogue.by_name))})")
+    args.rate = args.rate if args.rate is not None else (2.0 if live else 4.0)
+    # What the scenario says it should give on this engine: stuck legs (a family), or nothing stuck.
+    expect_stuck = scenario.expects_stuck
     env = {c.floor_env("transfer"): str(args.floor_transfer_s), c.ENV_LOG_LEVEL: "warning"}
     # The live servers drive no emulated GPU; the emulated engines do, behind the NVML stub.
-    gpus = None if sglang else _gpu_emulation()
+    gpus = None if live else _gpu_emulation()
     if gpus is not None:
         env.update(gpus.env())
     print(f"pdwatch demo: {args.engine} engine, scenario {args.scenario}, "
@@ -125,18 +131,13 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
         common = dict(otlp_endpoint=sidecar.url, heartbeat_s=args.heartbeat_s, rate=args.rate,
                       restart_at=args.restart_at, seed=args.seed)
-        stack: Stack | SglangStack
+        stack: StackBase
         try:
-            if sglang:
-                from pdwatch.testbed.sglang_pd.stack import SglangStack
-
-                stack = SglangStack(args.scenario, **common)
-                print("starting SGLang's prefill, two decodes and its router with pdwatch's plugin "
-                      "(about a minute on two cores) ...", flush=True)
-            else:
-                from pdwatch.testbed.stack import Stack  # imports numpy and NIXL; keep --help fast
-
-                stack = Stack(args.scenario, gpus=gpus, **common)
+            kind = engine.launcher()  # imports the engine's stack (numpy, NIXL): keep --help fast
+            # The emulated stack alone takes the emulated GPUs.
+            stack = kind(args.scenario, **common) if live else cast(Any, kind)(args.scenario, gpus=gpus, **common)
+            if engine.starting:
+                print(engine.starting, flush=True)
         except ValueError as exc:
             print(f"pdwatch demo: {exc}", file=sys.stderr)
             return 2
@@ -178,7 +179,7 @@ def _gpu_emulation() -> GpuEmulator | None:
         return None
 
 
-def _watch(args: argparse.Namespace, stack: Stack | SglangStack, sidecar: SidecarProcess,
+def _watch(args: argparse.Namespace, stack: StackBase, sidecar: SidecarProcess,
            monitoring: Monitoring | None, expect_stuck: bool) -> int:
     t0 = time.monotonic()
     detected_at: float | None = None
@@ -195,7 +196,8 @@ def _watch(args: argparse.Namespace, stack: Stack | SglangStack, sidecar: Sideca
                 print(f"--- testbed: {event.get('instance', 'decode-0')} restarted alone "
                       f"(new NIXL agent; prefill keeps its bootstrap state) ---")
             if event.get("event") == "wedge":
-                print(f"--- testbed: from now on the prefill's NIXL writes to {event['instance']} "
+                what = "NIXL READs" if args.engine == "vllm" else "the prefill's NIXL writes to"
+                print(f"--- testbed: from now on {what} {event['instance']} "
                       f"(agent {event.get('agent')}) never complete ---")
         summary = sidecar.get("/api/v1/summary")
         stuck = sidecar.get("/api/v1/stuck")
@@ -257,7 +259,7 @@ def _watch(args: argparse.Namespace, stack: Stack | SglangStack, sidecar: Sideca
     return _await_page(args, stack, sidecar, monitoring, fault_at)
 
 
-def _await_page(args: argparse.Namespace, stack: Stack | SglangStack, sidecar: SidecarProcess,
+def _await_page(args: argparse.Namespace, stack: StackBase, sidecar: SidecarProcess,
                 monitoring: Monitoring, fault_at: float | None) -> int:
     print()
     print(f"Waiting for Alertmanager to page {HEADLINE} (5 s for legs stuck on evidence, a minute for legs "

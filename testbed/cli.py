@@ -3,9 +3,11 @@
 --engine emulated (the default) starts a prefill and two decode processes of
 pdwatch's own that move KV caches as real NIXL DRAM transfers; --engine sglang
 starts real SGLang 0.5.23 prefill and decode servers on this CPU, with
-pdwatch's plugin inside, and SGLang's router. Either sends load for
---duration-s seconds, runs the scenario's faults, prints one progress line per
-second, then stops everything.
+pdwatch's plugin inside, and SGLang's router; --engine vllm starts real vLLM
+prefill and decode servers with pdwatch's adapter inside, behind the testbed's
+PD proxy. Each sends load for --duration-s seconds, runs the scenario's faults,
+prints one progress line per second, then stops everything. The engines and
+their scenarios are one registry (testbed/engines.py).
 """
 
 from __future__ import annotations
@@ -16,62 +18,57 @@ import time
 
 from pdwatch import contract as c
 
-from . import scenarios
+from .engines import ENGINES, all_scenarios, matrix
 from .router import Truth
-from .sglang_pd import scenarios as sglang_scenarios
-from .stack_base import StackArgs, StackBase
-
-ENGINES = {"emulated": scenarios.SCENARIOS, "sglang": sglang_scenarios.SCENARIOS}
+from .stack_base import StackArgs
 
 
 def _epilog() -> str:
     lines = []
-    for engine, table in ENGINES.items():
-        lines.append(f"scenarios of --engine {engine}:")
-        lines += [f"  {s.name:<15} {s.description}" for s in table.values()]
+    for engine in ENGINES.values():
+        lines.append(f"scenarios of --engine {engine.name}:")
+        lines += [f"  {s.name:<15} {s.description}" for s in engine.catalogue.by_name.values()]
     return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pdwatch testbed", description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_epilog())
-    ap.add_argument("--engine", default="emulated", choices=sorted(ENGINES),
-                    help="emulated: pdwatch's own engine processes (start in seconds); sglang: real SGLang "
-                         "servers and router on this CPU (start in about a minute) (default emulated)")
-    ap.add_argument("--scenario", default="healthy",
-                    choices=sorted(set().union(*ENGINES.values())),
+    ap.add_argument("--engine", default="emulated", choices=list(ENGINES),
+                    help="; ".join(f"{e.name}: {e.summary}" for e in ENGINES.values()) + " (default emulated)")
+    ap.add_argument("--scenario", default="healthy", choices=sorted(all_scenarios()),
                     help="what load and faults to run (default healthy)")
     ap.add_argument("--decodes", type=int, default=2, help="decode instances, 1 or 2 (default 2)")
     ap.add_argument("--otlp-endpoint", default=c.DEFAULT_SIDECAR_URL,
                     help=f"OTLP/HTTP base URL the engines export to (default {c.DEFAULT_SIDECAR_URL})")
     ap.add_argument("--rate", type=float, default=None,
-                    help="requests per second (default 4 emulated, 2 sglang)")
+                    help="requests per second (default: the scenario's, else 4 emulated, 2 live)")
     ap.add_argument("--duration-s", type=float, default=60.0, help="seconds of load (default 60)")
     ap.add_argument("--restart-at", type=float, default=None,
                     help="seconds after the load starts when the scenario's fault happens "
-                         "(default 8 emulated, 10 sglang)")
+                         "(default 8 emulated, 10 live)")
     ap.add_argument("--heartbeat-s", type=float, default=1.0, help="engine heartbeat interval (default 1)")
     ap.add_argument("--decode-floor-s", type=float, default=30.0,
                     help="long-decode: the decode stuck floor the long generations are sized against (default 30)")
     ap.add_argument("--cluster", default="default", help="pd.cluster of the engines (default 'default')")
     ap.add_argument("--traceparent", action="store_true",
-                    help="emulated: the router sends a W3C traceparent to both legs (the sglang engine's client "
-                         "always sends one, which SGLang's router passes to both legs)")
+                    help="emulated: the router sends a W3C traceparent to both legs (the live engines' clients "
+                         "always send one to both legs)")
     ap.add_argument("--drain-s", type=float, default=5.0,
                     help="after the load ends, wait this long for open requests to finish (default 5)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--list", action="store_true",
-                    help="print every scenario of every engine, one a line (ordinary-day ones marked), and exit")
+                    help="print every scenario, one a line, with what it should give on each engine "
+                         "(the failure family, ordinary, none-stuck, or - where it does not apply), and exit")
     return ap
 
 
 def _listing() -> str:
-    lines = []
-    for engine, table in ENGINES.items():
-        for s in table.values():
-            kind = "ordinary" if scenarios.ORDINARY in s.tags else (s.family or "-")
-            lines.append(f"{engine:<9} {s.name:<18} {kind:<18} {s.description}")
-    return "\n".join(lines)
+    names = list(ENGINES)
+    lines = [f"{'SCENARIO':<18} " + " ".join(f"{n.upper():<18}" for n in names)]
+    for scenario, per in matrix().items():
+        lines.append(f"{scenario:<18} " + " ".join(f"{per[n] or '-':<18}" for n in names))
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def _line(t: float, truth: Truth) -> str:
@@ -93,27 +90,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         print(_listing())
         return 0
-    if args.scenario not in ENGINES[args.engine]:
+    engine = ENGINES[args.engine]
+    if engine.scenario(args.scenario) is None:
         ap.error(f"scenario {args.scenario!r} does not exist for --engine {args.engine} "
-                 f"(choose from {', '.join(sorted(ENGINES[args.engine]))})")
-    sglang = args.engine == "sglang"
-    kind: type[StackBase]
-    if sglang:
-        from .sglang_pd.stack import SglangStack
-
-        kind = SglangStack
-    else:
-        from .stack import Stack
-
-        kind = Stack
+                 f"(choose from {', '.join(sorted(engine.catalogue.by_name))})")
+    kind = engine.launcher()
     # Unless told: the scenario's own rate, else the stack's; the stack's fault time.
     rate = args.rate if args.rate is not None else kind.catalogue.get(args.scenario).rate or kind.defaults["rate"]
     restart_at = args.restart_at if args.restart_at is not None else kind.defaults["restart_at"]
     stack_args = StackArgs(otlp_endpoint=args.otlp_endpoint, heartbeat_s=args.heartbeat_s, rate=rate,
                            restart_at=restart_at, seed=args.seed, decode_floor_s=args.decode_floor_s,
                            cluster=args.cluster, duration_s=args.duration_s, decodes=args.decodes)
-    if not sglang:
-        stack_args["traceparent"] = args.traceparent  # the live client always sends one
+    if args.engine == "emulated":
+        stack_args["traceparent"] = args.traceparent  # the live clients always send one
     try:
         stack = kind(args.scenario, **stack_args)
     except ValueError as e:
@@ -121,8 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"pdwatch testbed: {args.engine} engine, scenario {args.scenario}, {rate:g} req/s for "
           f"{args.duration_s:g} s, exporting to {args.otlp_endpoint}", flush=True)
-    if sglang:
-        print("starting SGLang's prefill, decodes and router (about a minute on two cores) ...", flush=True)
+    if engine.starting:
+        print(engine.starting, flush=True)
     try:
         stack.start()
         t0 = time.monotonic()

@@ -8,11 +8,12 @@ What the router sees is the testbed's ground truth (`Truth`).
 
 from __future__ import annotations
 
+import http.client
 import logging
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import TypedDict
 
@@ -69,6 +70,17 @@ class Truth:
             if any(r.decode == ev["instance"] and r.sent_at >= ev["t"] for ev in self.restarts):
                 out.append(r)
         return out
+
+
+def close_sockets(conns: Iterable[http.client.HTTPConnection]) -> None:
+    """Close each HTTP connection's socket under it: a thread blocked on its answer returns at once."""
+    for conn in conns:
+        sock = conn.sock
+        if sock is not None:
+            try:
+                sock.close()
+            except OSError:
+                pass
 
 
 class StackClient:

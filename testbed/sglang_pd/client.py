@@ -19,7 +19,7 @@ import time
 
 from pdwatch import contract as c
 
-from ..router import RequestRecord, StackClient
+from ..router import RequestRecord, StackClient, close_sockets
 from .model import VOCAB
 
 log = logging.getLogger("pdwatch.testbed.sglang_pd.client")
@@ -105,10 +105,4 @@ class RouterClient(StackClient):
         with self._lock:
             self._closed = True
             conns = list(self._conns)
-        for conn in conns:
-            sock = conn.sock
-            if sock is not None:
-                try:
-                    sock.close()
-                except OSError:
-                    pass
+        close_sockets(conns)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from ..scenarios import Action, Catalogue, Params, Scenario, at_fault, long_decodes
+from ..scenarios import ORDINARY, Action, Catalogue, Params, Scenario, at_fault, long_decodes
 
 
 def default_shape(params: Params, rng: random.Random, index: int) -> tuple[int, int]:
@@ -100,25 +100,25 @@ def _steps(*steps: tuple[str, str]) -> Callable[[Params], list[Action]]:
     return actions
 
 
-register(Scenario("scale-down", shape=default_shape, actions=_steps(("scale_down", "decode-1")), description="""
+register(Scenario("scale-down", shape=default_shape, tags=(ORDINARY,), actions=_steps(("scale_down", "decode-1")), description="""
     decode-1 is taken out of SGLang's router, drained, then its server's parent process gets SIGTERM: it
     leaves in order (departed) while decode-0 serves"""))
-register(Scenario("scale-up", shape=default_shape, actions=_steps(("scale_up", "decode-2")), description="""
+register(Scenario("scale-up", shape=default_shape, tags=(ORDINARY,), actions=_steps(("scale_up", "decode-2")), description="""
     a new decode, decode-2, is started and added to SGLang's router while traffic flows"""))
-register(Scenario("rolling-restart", shape=default_shape, actions=_steps(("rolling_restart", "decode")),
+register(Scenario("rolling-restart", shape=default_shape, tags=(ORDINARY,), actions=_steps(("rolling_restart", "decode")),
                   description="""
     every decode, one at a time: out of the router, drained, SIGTERM, started again (fresh ports, as a new
     pod), back in"""))
-register(Scenario("kill-idle", shape=default_shape, actions=_steps(("sigkill_idle", "decode-1")),
+register(Scenario("kill-idle", shape=default_shape, tags=(ORDINARY,), actions=_steps(("sigkill_idle", "decode-1")),
                   description="""
     the load pauses, decode-1 holding nothing is SIGKILLed and taken out of the router, then the load
     resumes on decode-0: a silent engine that held nothing (a warning, never a page)"""))
-register(Scenario("overload", shape=default_shape, actions=_steps(("overload", "router")), description="""
+register(Scenario("overload", shape=default_shape, tags=(ORDINARY,), actions=_steps(("overload", "router")), description="""
     for 90 s, arrivals at 4 x the rate with generations of a second or two beside the usual load, well
     above what the pair serves here; then back: queues that drain in order are slow, not stuck"""))
-register(Scenario("idle", shape=default_shape, actions=_steps(("idle", "router")), description="""
+register(Scenario("idle", shape=default_shape, tags=(ORDINARY,), actions=_steps(("idle", "router")), description="""
     no traffic for 20 s (an idle hour compressed), then traffic again"""))
-register(Scenario("ordinary-day", shape=default_shape, actions=_steps(
+register(Scenario("ordinary-day", shape=default_shape, tags=(ORDINARY,), actions=_steps(
     ("scale_down", "decode-1"), ("scale_up", "decode-2"), ("rolling_restart", "decode"), ("idle", "router"),
     ("sigkill_idle", "decode-2"), ("overload", "router")), description="""
     scale-down, scale-up, rolling-restart, idle, kill-idle (decode-2) and overload, one after

@@ -15,33 +15,24 @@ from __future__ import annotations
 
 import http.client
 import json
-import logging
-import os
-import shutil
-import signal
-import subprocess
-import tempfile
 import time
-from dataclasses import astuple
-from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pdwatch import contract as c
 
-from ..processes import EngineStartError, PortInUse, free_port
+from ..live_stack import LiveStack
+from ..processes import EngineStartError, free_port
 from ..router import LoadGenerator
 from ..scenarios import Params
-from ..stack_base import StackArgs, StackBase
+from ..stack_base import StackArgs
 from . import scenarios
 from .client import RouterClient
 from .control import RouterWorkers, held
-from .model import write_model
 from .servers import BASE_ENV, ServerPorts, SglangRouter, SglangServer
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-PORT_RETRIES = 2  # a server that finds a port taken is started this many more times
 # Request slots. A prefill leg whose KV write hangs keeps its slot in SGLang's inflight queue, and a
 # decode takes in transfer as many requests as its slots (3 x max_running with SGLang's default extra
 # slots) and its KV pool allow: 14-16 here. A prefill with no more slots than that can lose every one
@@ -49,17 +40,18 @@ PORT_RETRIES = 2  # a server that finds a port taken is started this many more t
 # once in a fresh-clone test run). So the prefill has well more slots than one decode can pin.
 DECODE_MAX_RUNNING = 16
 PREFILL_MAX_RUNNING = 64
-# The ordinary day's steps: how long a drain may take, how long SGLang may take to exit on SIGTERM (its
-# drain checks every 5 s), how long the load pauses, and how long and how hard the overload lasts.
+# The ordinary day's steps: how long a drain may take (SGLang may take up to live_stack.EXIT_TIMEOUT_S to
+# exit on SIGTERM: its drain checks every 5 s), how long the load pauses, and how long and how hard the
+# overload lasts.
 DRAIN_TIMEOUT_S = 120.0
-EXIT_TIMEOUT_S = 60.0
 IDLE_S = 20.0
 OVERLOAD_S = 90.0
 OVERLOAD_FACTOR = 4.0  # times the scenario's rate, with the overload shape's longer generations
 
 
-class SglangStack(StackBase):
+class SglangStack(LiveStack[SglangServer]):
     catalogue = scenarios.CATALOGUE
+    folder_prefix = "pdwatch-sglang-"
     defaults = StackArgs(rate=2.0, restart_at=10.0, traceparent=True, token_interval_s=0.02, ready_timeout_s=240.0,
                          stop_timeout_s=15.0)
 
@@ -69,10 +61,7 @@ class SglangStack(StackBase):
         self.context_length = context_length
         self.plugin = plugin
         self.load = load  # False: the caller sends the requests (benchmarks)
-        self._dir: Path | None = None
-        self.servers: dict[str, SglangServer] = {}
         self.sglang_router: SglangRouter | None = None
-        self._resumed: list[float] = []  # when the load resumed after each pause
 
     def _check_decodes(self, decodes: int) -> None:
         if decodes not in (1, 2):
@@ -81,15 +70,6 @@ class SglangStack(StackBase):
             raise ValueError(f"scenario {self.scenario.name!r} faults decode-0 while others flow: it needs 2 decodes")
 
     # ---- processes ---------------------------------------------------------
-
-    @property
-    def _folder(self) -> Path:
-        assert self._dir is not None, "the stack is not started"
-        return self._dir
-
-    @property
-    def state_dir(self) -> Path:
-        return self._folder / "state"
 
     def _env(self, instance: str) -> dict[str, str]:
         env = {
@@ -106,17 +86,19 @@ class SglangStack(StackBase):
             env[c.ENV_SGLANG] = "1"
         return env
 
-    def _server(self, instance: str, role: str, ports: ServerPorts) -> SglangServer:
-        server = SglangServer(instance, role, self._folder / "model", ports, self._env(instance),
-                              context_length=self.context_length, max_total_tokens=4 * self.context_length,
-                              max_running=PREFILL_MAX_RUNNING if role == "prefill" else DECODE_MAX_RUNNING)
-        self.servers[instance] = self.engines[instance] = server
-        return server
+    def _new_server(self, instance: str, role: str, **kwargs: Any) -> SglangServer:
+        ports = ServerPorts(free_port(), free_port(), free_port() if role == "prefill" else 0)
+        return SglangServer(instance, role, self.model_dir, ports, self._env(instance),
+                            context_length=self.context_length, max_total_tokens=4 * self.context_length,
+                            max_running=PREFILL_MAX_RUNNING if role == "prefill" else DECODE_MAX_RUNNING)
+
+    def _check_started(self, server: SglangServer) -> None:
+        if server.registration_failed():
+            raise EngineStartError(f"{server.instance} came up without its bootstrap registration:\n"
+                                   + server.tail())
 
     def _launch(self) -> RouterClient:
-        self._dir = Path(tempfile.mkdtemp(prefix="pdwatch-sglang-"))
-        self.state_dir.mkdir()
-        write_model(self._dir / "model")
+        self._make_folder()
         [prefill] = self._start_servers("prefill", ["prefill-0"])
         decodes = self._start_servers("decode", list(self.decode_names))
         router = SglangRouter(free_port(), free_port(), prefill, decodes, {**BASE_ENV})
@@ -124,32 +106,6 @@ class SglangStack(StackBase):
         router.spawn()
         self._wait_router(router)
         return RouterClient(router.port, seed=self.seed, traceparent=self.traceparent)
-
-    def _start_servers(self, role: str, names: list[str]) -> list[SglangServer]:
-        """Start servers together; one that finds a port taken starts again on fresh ports."""
-        def fresh(name: str) -> SglangServer:
-            ports = ServerPorts(free_port(), free_port(), free_port() if role == "prefill" else 0)
-            return self._server(name, role, ports)
-
-        servers = [fresh(name) for name in names]
-        for server in servers:
-            server.spawn()
-        for i, server in enumerate(servers):
-            for attempt in range(PORT_RETRIES + 1):
-                try:
-                    server.wait_ready(self.ready_timeout_s, cancel=self._stop)
-                    break
-                except PortInUse:
-                    if attempt == PORT_RETRIES:
-                        raise
-                    server.kill()
-                    self._event("port_taken", instance=server.instance, ports=list(astuple(server.ports)))
-                    server = servers[i] = fresh(server.instance)
-                    server.spawn()
-            if server.registration_failed():
-                raise EngineStartError(f"{server.instance} came up without its bootstrap registration:\n"
-                                       + server.tail())
-        return servers
 
     def _wait_router(self, router: SglangRouter) -> None:
         """Ready when one request goes through the router to both legs and back."""
@@ -176,33 +132,11 @@ class SglangStack(StackBase):
         raise EngineStartError(f"SGLang's router not serving after {self.ready_timeout_s:.0f} s ({last}):\n"
                                + router.tail())
 
-    def agents(self) -> dict[str, str | None]:
-        """Each server's current NIXL agent name, as its KV manager reported it."""
-        out = {}
-        for name in self.servers:
-            try:
-                out[name] = json.loads((self.state_dir / f"agent-{name}.json").read_text())["agent"]
-            except (OSError, ValueError, KeyError):
-                out[name] = None
-        return out
-
     # ---- scenario actions ----------------------------------------------------
 
     def _check_restartable(self, instance: str) -> None:
         if self.servers[instance].role != "decode":
             raise ValueError("only decode servers are restarted by the testbed")
-
-    def _write_faults(self, key: str, value: list[str] | int) -> None:
-        """Set one fault of the CPU support plugin's fault file, keeping the others."""
-        path = self.state_dir / "faults.json"
-        try:
-            faults = json.loads(path.read_text())
-        except (OSError, ValueError):
-            faults = {}
-        faults[key] = value
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(faults))
-        os.replace(tmp, path)
 
     def _action_wedge(self, instance: str) -> None:
         """From now on the prefill's NIXL writes to this decode's agent never complete."""
@@ -254,20 +188,6 @@ class SglangStack(StackBase):
             elif quiet_since is None:
                 quiet_since = time.monotonic()
         self._event("drained", instance=instance, took_s=round(time.monotonic() - t0, 3))
-
-    def _sigterm(self, instance: str) -> None:
-        """SIGTERM to the server's parent process alone, as Kubernetes stops a pod; wait until it exits."""
-        server = self.servers[instance]
-        assert server.proc is not None
-        t0 = time.time()
-        os.kill(server.proc.pid, signal.SIGTERM)
-        try:
-            rc: int | None = server.proc.wait(EXIT_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            rc = None
-        exited = time.time()
-        server.kill()  # anything SGLang left in the group (and the pipes)
-        self._event("terminated", instance=instance, t=t0, exit_s=round(exited - t0, 3), returncode=rc)
 
     def _start_decode(self, instance: str) -> None:
         """Start a decode server (fresh ports, as a new pod gets) and put it in the router."""
@@ -338,30 +258,6 @@ class SglangStack(StackBase):
     def _client(self) -> RouterClient:
         assert isinstance(self.router, RouterClient), "the stack is not started"
         return self.router
-
-    def _pause_load(self) -> None:
-        if self.loadgen is not None:
-            self.loadgen.stop()
-        self._event("load_paused")
-
-    def _resume_load(self) -> None:
-        if self._stop.is_set():
-            return
-        self.loadgen = LoadGenerator(self._client(), lambda rng, i: self.scenario.shape(self.params, rng, i),
-                                     rate=self.params.rate, seed=self.seed + len(self._resumed), duration_s=None,
-                                     max_requests=self.max_requests)
-        self._resumed.append(time.time())
-        self.loadgen.start()
-        self._event("load_resumed")
-
-    # ---- stop ------------------------------------------------------------------
-
-    def _release(self) -> None:
-        # PDWATCH_TESTBED_KEEP=1 (c.ENV_TESTBED_KEEP) keeps the servers' logs and fault files for a post-mortem.
-        if self._dir is not None and os.environ.get(c.ENV_TESTBED_KEEP) != "1":
-            shutil.rmtree(self._dir, ignore_errors=True)
-        elif self._dir is not None:
-            logging.getLogger("pdwatch.testbed.sglang_pd").warning("kept the stack's directory %s", self._dir)
 
 
 __all__ = ["SglangStack", "EngineStartError"]

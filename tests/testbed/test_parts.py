@@ -254,13 +254,38 @@ def test_cli_help_lists_the_scenarios(capsys):
     out = capsys.readouterr().out
     assert "--otlp-endpoint" in out and "decode-restart" in out and "long-decode" in out
     assert cli.main(["--list"]) == 0
-    listed = [line.split() for line in capsys.readouterr().out.splitlines()]
-    ordinary = {words[1] for words in listed if words[0] == "emulated" and words[2] == "ordinary"}
-    assert ordinary == set(scenarios.ordinary())
+    header, *rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert header == ["SCENARIO", "EMULATED", "SGLANG", "VLLM"]
+    table = {words[0]: dict(zip(("emulated", "sglang", "vllm"), words[1:])) for words in rows}
+    assert {name for name, per in table.items() if per["emulated"] == "ordinary"} == set(scenarios.ordinary())
+    # One name, one fault; what it gives differs by engine where the engines differ, and says so.
+    assert table["decode-restart"] == {"emulated": "transfer_wedge", "sglang": "none-stuck", "vllm": "none-stuck"}
+    assert table["transfer-wedge"]["vllm"] == "transfer_wedge" and table["tp-desync"]["vllm"] == "-"
+    assert table["lease-expiry"] == {"emulated": "-", "sglang": "-", "vllm": "none-stuck"}
     with pytest.raises(SystemExit) as e:
         cli.main(["--scenario", "nope"])
     assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:  # a scenario of another engine only
+        cli.main(["--engine", "vllm", "--scenario", "tp-desync"])
+    assert e.value.code == 2 and "does not exist for --engine vllm" in capsys.readouterr().err
     assert cli.main(["--rate", "0"]) == 2
+
+
+def test_every_engine_in_the_registry_launches_a_stack_with_its_own_catalogue():
+    from pdwatch.testbed import engines
+    from pdwatch.testbed.scenarios import Params
+    from pdwatch.testbed.stack_base import StackBase
+
+    assert list(engines.ENGINES) == ["emulated", "sglang", "vllm"]
+    for engine in engines.ENGINES.values():
+        kind = engine.launcher()
+        assert issubclass(kind, StackBase) and kind.catalogue is engine.catalogue, engine.name
+        assert engine.scenario(engine.incident) is not None and engine.scenario(engine.incident).expects_stuck
+        for name, sc in engine.catalogue.by_name.items():
+            for _at, action, _instance in sc.actions(Params()):  # every action a scenario takes, the stack has
+                assert hasattr(kind, f"_action_{action.replace('-', '_')}"), (engine.name, name, action)
+    with pytest.raises(ValueError, match="unknown engine"):
+        engines.get("trtllm")
 
 
 @pytest.mark.parametrize("room", [None, "12", -1, 1 << 63, True, 1.5])
@@ -281,3 +306,13 @@ def test_free_ports_lie_below_the_ephemeral_range_and_are_handed_out_once():
     for p in ports[:5]:  # each was bindable when picked
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("127.0.0.1", p))
+
+
+def test_the_demo_runs_each_engines_incident_and_refuses_a_scenario_the_engine_lacks(capsys):
+    from pdwatch import demo
+
+    helptext = demo.build_parser().format_help()
+    assert "vllm" in helptext and "transfer-wedge vllm" in helptext
+    with pytest.raises(SystemExit) as e:
+        demo.main(["--engine", "vllm", "--scenario", "tp-desync"])
+    assert e.value.code == 2 and "does not exist for --engine vllm" in capsys.readouterr().err
