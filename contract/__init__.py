@@ -246,6 +246,8 @@ ENGINE_ENV = (ENV_HEARTBEAT, ENV_INVENTORY_MAX, ENV_CLUSTER, ENV_INSTANCE, ENV_O
 # The SGLang plugin's own: its switch, and GPU UUIDs for a process that cannot read its own.
 ENV_SGLANG, ENV_GPU_UUIDS = "PDWATCH_SGLANG", "PDWATCH_GPU_UUIDS"
 ENV_VLLM = "PDWATCH_VLLM"  # the vLLM adapter records only where this is 1 (engine_patches/vllm)
+# The Python of the environment vLLM is installed in, for the live vLLM testbed (default: build/vllm's).
+ENV_VLLM_PYTHON = "PDWATCH_VLLM_PYTHON"
 ENV_TESTBED_KEEP = "PDWATCH_TESTBED_KEEP"  # 1: a live testbed stack keeps its folder (logs, faults) when it stops
 # Client commands (`pdwatch diagnose`, `trace`, `report`: pdwatch/settings.py), beside ENV_TOKEN.
 # The sidecar's address as engines and clients reach it by default (written nowhere else).
