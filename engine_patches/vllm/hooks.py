@@ -7,7 +7,8 @@ An `after` hook is called as hook(result, connector, *args, **kwargs) and an
 `around` one as hook(call, connector, *args, **kwargs); the caller
 (connector.py, or plugin() for the API server's) catches and counts whatever a
 hook raises. A Worker has no recorder: its hook errors are counted in
-state.early_errors and reported nowhere yet.
+state.early_errors and carried to the EngineCore's recorder in the step's
+worker metadata (worker_meta.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ _OUTCOME = {
     "FINISHED_IGNORED": "failed",  # refused: the prompt does not fit
     "FINISHED_ERROR": "failed",
 }
+
+
+LEASE_EXPIRED = "KV lease expired: the prefill freed the blocks before the decode read them"
 
 
 def counted_error() -> None:
@@ -87,12 +91,13 @@ def on_leases_reaped(result: Any, worker: Any, done_sending: set[str], *args: An
 
 def on_worker_meta(call: Callable[[], Any], self: Any, *args: Any, **kwargs: Any) -> Any:
     result = call()
-    if result is not None or not state.lease_expired:
+    if result is not None or not (state.lease_expired or state.early_errors):
         return result  # vLLM's own metadata, if it ever has some, goes first
     from .worker_meta import PdwatchWorkerMeta
 
     expired, state.lease_expired = state.lease_expired, set()
-    return PdwatchWorkerMeta(lease_expired=expired)
+    errors, state.early_errors = state.early_errors, 0
+    return PdwatchWorkerMeta(lease_expired=expired, hook_errors=errors)
 
 
 def on_new_request(result: Any, self: Any, request: Any, *args: Any, **kwargs: Any) -> None:
@@ -180,18 +185,23 @@ def _working(lc: Any, stages: dict[str, str], rid: str, stage: str) -> None:
 
 
 def on_transfer_results(result: Any, self: Any, connector_output: Any, *args: Any, **kwargs: Any) -> None:
+    meta = getattr(connector_output, "kv_connector_worker_meta", None)
+    worker_errors = getattr(meta, "hook_errors", 0)
+    if worker_errors and state.rec is not None:
+        state.rec.hook_errors += worker_errors  # the Workers' hooks', counted where a recorder reports them
     lc = state.lc
     if lc is None:
         return
     stages = state.stages
-    meta = getattr(connector_output, "kv_connector_worker_meta", None)
     expired = getattr(meta, "lease_expired", None) or ()
     # The prefill's blocks were read (the workers say done sending), or their lease ran out: its leg ends.
     for rid in _ids(connector_output.finished_sending):
         if stages.get(rid) == "transfer":
             del stages[rid]
             if rid in expired:
-                lc.finish(rid, "timeout", reason="KV lease expired: the blocks were freed before the decode read them")
+                # An error the engine met on the leg (its transfer stage carries it), and the leg's end.
+                lc.leg_error(rid, LEASE_EXPIRED)
+                lc.finish(rid, "timeout", reason=LEASE_EXPIRED)
             else:
                 lc.finish(rid, "ok")
     failed = connector_output.failed_recving or ()

@@ -12,21 +12,16 @@ import importlib
 from collections.abc import Iterator
 
 import pytest
-import torch
 from vllm import SamplingParams
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
-from vllm.v1.structured_output import StructuredOutputManager
 
 from pdwatch import contract as c
 from pdwatch.testbed.processes import free_port
-from pdwatch.testbed.sglang_pd.model import write_model
 from tests.support.otlp_receiver import OtlpReceiver
+from tests.support.vllm_scheduler import build_scheduler
 
-BLOCK = 16
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 TRACEPARENT = f"00-{TRACE}-00f067aa0ba902b7-01"
 
@@ -57,22 +52,7 @@ def adapter(monkeypatch, receiver):
 
 def scheduler(tmp_path, monkeypatch, kv_role: str, instance: str) -> Scheduler:
     monkeypatch.setenv(c.ENV_INSTANCE, instance)
-    model = write_model(tmp_path / "model")
-    config = VllmConfig(
-        model_config=ModelConfig(model=str(model), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=1024),
-        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=1024, max_model_len=1024,
-                                         is_encoder_decoder=False),
-        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=False),
-        kv_transfer_config=KVTransferConfig(kv_connector="NixlConnector", kv_role=kv_role, kv_buffer_device="cpu",
-                                            kv_connector_module_path="pdwatch.engine_patches.vllm.connector"),
-        device_config=DeviceConfig("cpu"),
-    )
-    config.cache_config.num_gpu_blocks = 64
-    kv = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1,
-                                                      dtype=torch.float32))])
-    return Scheduler(vllm_config=config, kv_cache_config=kv, log_stats=False,
-                     structured_output_manager=StructuredOutputManager(config), block_size=BLOCK)
+    return build_scheduler(tmp_path, kv_role)
 
 
 def request(rid: str, max_tokens: int, params: dict, prompt: int = 40) -> Request:
@@ -163,3 +143,22 @@ def test_a_lease_that_expires_unread_ends_the_prefill_leg_timeout(adapter, recei
     assert leg.attrs[c.A_OUTCOME] == "timeout" and leg.status_code == 2, leg.attrs  # status ERROR
     [message] = [s.status.message for _res, s in receiver.spans() if s.name == c.SPAN_LEG]
     assert "lease expired" in message, message
+
+
+def test_errors_a_workers_hooks_caught_reach_the_enginecores_recorder(adapter, receiver, tmp_path, monkeypatch):
+    """A Worker has no recorder: what its hooks caught rides to the EngineCore in the step's worker metadata."""
+    from pdwatch.engine_patches.vllm import hooks
+    from pdwatch.engine_patches.vllm.worker_meta import PdwatchWorkerMeta
+
+    adapter.state.early_errors = 2  # as a Worker's counted_error() leaves them
+    meta = hooks.on_worker_meta(lambda: None, object())
+    assert isinstance(meta, PdwatchWorkerMeta) and meta.hook_errors == 2 and adapter.state.early_errors == 0
+    assert hooks.on_worker_meta(lambda: None, object()) is None  # nothing new: no metadata of ours
+    merged = meta.aggregate(PdwatchWorkerMeta(hook_errors=1))
+    sched = scheduler(tmp_path, monkeypatch, "kv_producer", "prefill-0")
+    try:
+        out = sched.schedule()
+        sched.update_from_output(out, runner_output(out, KVConnectorOutput(kv_connector_worker_meta=merged)))
+        assert adapter.state.rec.hook_errors == 3
+    finally:
+        sched.shutdown()
