@@ -51,7 +51,7 @@ demo: $(STAMP) $(DEMO_DEPS)
 	$(BIN)/pdwatch demo
 
 # tests/live/release is the version matrix's live leg (make test-matrix, mk/sglang_matrix.mk).
-# tests/engine_patches/vllm runs in vLLM's own environment (docs/vllm.md), not yet part of make test.
+# tests/engine_patches/vllm runs in vLLM's own environment, as test-vllm (mk/vllm.mk), before the rest.
 test: $(STAMP) $(TEST_DEPS)
 	$(BIN)/python -m pytest -q --ignore=tests/live/release --ignore=tests/engine_patches/vllm
 

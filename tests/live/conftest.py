@@ -47,6 +47,10 @@ def live_world():
     reason = _missing()
     if reason:
         pytest.fail(reason)
+    yield from _world()
+
+
+def _world():
     from pdwatch.testbed.monitoring import Monitoring
 
     env = {f"PDWATCH_FLOOR_{stage.upper()}_S": str(s) for stage, s in FLOORS_S.items()}
@@ -134,15 +138,16 @@ class Poller:
 
 
 def run_live(world: World, scenario: str, *, seconds: float, until=None, grace_s: float = 5.0,
-             **stack_args) -> Run:
-    """Start the scenario's live stack as cluster live-<scenario>, send `seconds` of load and watch it
-    for `grace_s` more (or until `until(run)` holds), then stop it. The stack's events and truth stay
-    in the Run."""
-    from pdwatch.testbed.sglang_pd.stack import SglangStack
+             engine: str = "sglang", **stack_args) -> Run:
+    """Start the scenario's live stack (testbed/engines.py's `engine`) as cluster live-<scenario>
+    (live-vllm-<scenario> for vLLM), send `seconds` of load and watch it for `grace_s` more (or until
+    `until(run)` holds), then stop it. The stack's events and truth stay in the Run."""
+    from pdwatch.testbed.engines import get
 
-    cluster = f"live-{scenario}"
-    stack = SglangStack(scenario, otlp_endpoint=world.sidecar.url, heartbeat_s=HEARTBEAT_S, cluster=cluster,
-                        duration_s=seconds, decode_floor_s=FLOORS_S["decode"], **stack_args)
+    cluster = f"live-{scenario}" if engine == "sglang" else f"live-{engine}-{scenario}"
+    stack = get(engine).launcher()(scenario, otlp_endpoint=world.sidecar.url, heartbeat_s=HEARTBEAT_S,
+                                   cluster=cluster, duration_s=seconds, decode_floor_s=FLOORS_S["decode"],
+                                   **stack_args)
     run = Run(cluster, stack)
     try:
         stack.start()
