@@ -138,14 +138,14 @@ class Poller:
 
 
 def run_live(world: World, scenario: str, *, seconds: float, until=None, grace_s: float = 5.0,
-             engine: str = "sglang", **stack_args) -> Run:
+             engine: str = "sglang", heartbeat_s: float = HEARTBEAT_S, **stack_args) -> Run:
     """Start the scenario's live stack (testbed/engines.py's `engine`) as cluster live-<scenario>
     (live-vllm-<scenario> for vLLM), send `seconds` of load and watch it for `grace_s` more (or until
     `until(run)` holds), then stop it. The stack's events and truth stay in the Run."""
     from pdwatch.testbed.engines import get
 
     cluster = f"live-{scenario}" if engine == "sglang" else f"live-{engine}-{scenario}"
-    stack = get(engine).launcher()(scenario, otlp_endpoint=world.sidecar.url, heartbeat_s=HEARTBEAT_S,
+    stack = get(engine).launcher()(scenario, otlp_endpoint=world.sidecar.url, heartbeat_s=heartbeat_s,
                                    cluster=cluster, duration_s=seconds, decode_floor_s=FLOORS_S["decode"],
                                    **stack_args)
     run = Run(cluster, stack)

@@ -7,11 +7,6 @@ the testbed set its state folder, and touches nothing of pdwatch's hooks:
 
 - gives NIXL's progress thread a 1 ms delay, as the SGLang testbed does (a
   busy poll of most of a core per agent otherwise);
-- makes vLLM's shared-memory message queues wait on their sockets instead of
-  spinning (`SpinCondition` spins with sched_yield for a second after each
-  read): the EngineCore and the Worker of each server spin so while a request
-  is in flight, six spinning processes on two cores, and the servers' loops
-  stood still for 4 s and more at a time (seen here);
 - reports this server's NIXL agent name to the state folder when the Worker
   creates its agent, so the testbed can name a decode's agent;
 - the `transfer-wedge` fault, at the transport boundary: once the testbed's
@@ -55,7 +50,6 @@ def plugin() -> None:
     api = importlib.import_module("nixl._api")
     _slow_progress_and_report(api)
     _install_wedge(api.nixl_agent)
-    _no_spinning()
 
 
 def _state_dir() -> str | None:
@@ -95,18 +89,6 @@ def _report_agent(name: str) -> None:
     with open(tmp, "w") as f:
         json.dump({"instance": instance, "agent": name, "pid": os.getpid(), "t": time.time()}, f)
     os.replace(tmp, path)
-
-
-def _no_spinning() -> None:
-    from vllm.distributed.device_communicators import shm_broadcast
-
-    wait = shm_broadcast.SpinCondition.wait
-
-    def wait_on_socket(self: Any, *args: Any, **kwargs: Any) -> None:
-        self.busy_loop_s = 0  # read at each wait: queues made before this plugin loaded stop spinning too
-        wait(self, *args, **kwargs)
-
-    shm_broadcast.SpinCondition.wait = wait_on_socket
 
 
 class _Wedge:
