@@ -101,6 +101,12 @@ def on_worker_meta(call: Callable[[], Any], self: Any, *args: Any, **kwargs: Any
 
 
 def on_new_request(result: Any, self: Any, request: Any, *args: Any, **kwargs: Any) -> None:
+    rec = state.rec
+    if rec is not None:
+        # The EngineCore's loop turned to take this request in. An idle EngineCore blocks on its input
+        # queue and steps no more, so its counter stood still the whole idle spell; without this turn
+        # the first heartbeat listing the new leg read as a loop frozen that long (seen live).
+        rec.loop_tick()
     lc = state.lc
     if lc is None:
         return

@@ -46,7 +46,8 @@ TARGETS: tuple[Target, ...] = (
            ("self", "vllm_config", "role"),
            ("NixlBaseConnector.engine_id", "NixlBaseConnector.kv_transfer_config"), group="process"),
     Target(f"{CONNECTOR}.on_new_request", "after", "on_new_request",
-           "arrival: a prefill leg enters queued, a decode leg bootstrap",
+           "arrival: a prefill leg enters queued, a decode leg bootstrap; the loop turned (an idle EngineCore "
+           "steps no more)",
            ("self", "request"),
            ("Request.request_id", "Request.kv_transfer_params", "Request.trace_headers", "Request.num_prompt_tokens",
             "Request.sampling_params", "SamplingParams.extra_args")),

@@ -162,3 +162,16 @@ def test_errors_a_workers_hooks_caught_reach_the_enginecores_recorder(adapter, r
         assert adapter.state.rec.hook_errors == 3
     finally:
         sched.shutdown()
+
+
+def test_a_request_that_wakes_an_idle_enginecore_turns_its_loop(adapter, receiver, tmp_path, monkeypatch):
+    """An idle EngineCore steps no more (it waits on its input queue); the request that wakes it is a turn
+    of its loop, counted before its leg opens, so no heartbeat lists the leg beside an idle spell's count."""
+    sched = scheduler(tmp_path, monkeypatch, "kv_producer", "prefill-0")
+    try:
+        rec = adapter.state.rec
+        before = rec.loop_iterations
+        sched.add_request(request("p-9", 1, {"do_remote_decode": True, "do_remote_prefill": False}))
+        assert rec.loop_iterations == before + 1 and rec.hook_errors == 0
+    finally:
+        sched.shutdown()
