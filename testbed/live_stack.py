@@ -27,6 +27,7 @@ from pdwatch import contract as c
 
 from .processes import EngineProcess, PortInUse
 from .router import LoadGenerator, StackClient
+from .scenarios import Params
 from .sglang_pd.model import write_model
 from .stack_base import StackBase
 
@@ -56,6 +57,16 @@ class LiveStack(StackBase, Generic[Server]):
 
     def _check_started(self, server: Server) -> None:
         """Raise EngineStartError if a ready server is not fit to serve."""
+
+    def _check_decodes(self, decodes: int) -> None:
+        if decodes not in (1, 2):
+            raise ValueError(f"decodes must be 1 or 2 on this machine, got {decodes}")
+        if any(a[2] == "decode-0" for a in self.scenario.actions(Params())) and decodes < 2:
+            raise ValueError(f"scenario {self.scenario.name!r} faults decode-0 while others flow: it needs 2 decodes")
+
+    def _check_restartable(self, instance: str) -> None:
+        if self.servers[instance].role != "decode":
+            raise ValueError("only decode servers are restarted by the testbed")
 
     # ---- the folder ------------------------------------------------------------
 

@@ -22,7 +22,6 @@ from pdwatch import contract as c
 from ..live_stack import LiveStack
 from ..processes import EngineStartError, free_port
 from ..router import RequestRecord
-from ..scenarios import Params
 from ..stack_base import StackArgs
 from . import scenarios
 from .client import ProxyClient
@@ -47,12 +46,6 @@ class VllmStack(LiveStack[VllmServer]):
         super().__init__(scenario, **args)
         self.plugin = plugin
         self.load = load
-
-    def _check_decodes(self, decodes: int) -> None:
-        if decodes not in (1, 2):
-            raise ValueError(f"decodes must be 1 or 2 on this machine, got {decodes}")
-        if any(a[2] == "decode-0" for a in self.scenario.actions(Params())) and decodes < 2:
-            raise ValueError(f"scenario {self.scenario.name!r} faults decode-0 while others flow: it needs 2 decodes")
 
     # ---- processes ---------------------------------------------------------
 
@@ -106,10 +99,6 @@ class VllmStack(LiveStack[VllmServer]):
                             "kv_transfer_params": first["kv_transfer_params"]})
 
     # ---- scenario actions ----------------------------------------------------
-
-    def _check_restartable(self, instance: str) -> None:
-        if self.servers[instance].role != "decode":
-            raise ValueError("only decode servers are restarted by the testbed")
 
     def _action_wedge(self, instance: str) -> None:
         """From now on this decode's NIXL READs never complete."""
