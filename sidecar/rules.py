@@ -123,11 +123,23 @@ def idle_frozen_ranks(inst: Instance, now: int) -> list[Incarnation]:
 
 
 def loop_stalled(inst: Instance, now: int) -> bool:
-    """A rank still heartbeats but its scheduler loop counter has not moved for 3 intervals."""
+    """A rank still heartbeats but its scheduler loop counter has not moved for 3 intervals while the
+    loop should turn: its instance holds legs (counted from when it took them), or its loop is known
+    to turn while idle. An idle loop that blocks on its input (vLLM's EngineCore; no
+    pd.loop.idle_turn_s, never seen turning idle) stands still by design: contract section 5b never
+    judges it, and a gauge read as "stalled" through every idle spell would page collective_desync."""
+    owner = inst.owner
+    busy_since = owner.busy_since_ns if owner is not None and owner.open_total else 0
     for inc in inst.ranks.values():
         if inc.loop_iterations is None or not rank_up(inc, now):
             continue
-        if now - inc.loop_since_ns > c.DOWN_AFTER_INTERVALS * inc.interval_s * 1e9:
+        if busy_since:
+            since = max(inc.loop_since_ns, busy_since)
+        elif owner is None or inc.turns_idle or inc.idle_turn_s is not None:
+            since = inc.loop_since_ns
+        else:
+            continue
+        if now - since > c.DOWN_AFTER_INTERVALS * inc.interval_s * 1e9:
             return True
     return False
 

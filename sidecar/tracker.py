@@ -365,7 +365,12 @@ class Tracker:
         inc.offsets.append(now - hb.end_ns)
         if hb.interval_s is not None:
             inc.interval_s = hb.interval_s
-        self._loop(src, inc, hb.loop_iterations, now)
+        # The loop turned while idle only if nothing was served between the two heartbeats: both
+        # inventories empty and no leg ended meanwhile (legs that come and go within one interval
+        # are never listed, and a loop that turns only for them blocks when idle, as vLLM's does).
+        ended = sum(hb.counters.get(k, 0) - getattr(inc, k) for k in ("completed", "failed"))
+        idle = self._idle(src) and ended == 0 and (hb.inventory is None or hb.inventory.total == 0)
+        self._loop(src, inc, hb.loop_iterations, now, idle)
         if hb.loop_idle_turn_s is not None:
             inc.idle_turn_s = hb.loop_idle_turn_s
         for name, value in hb.counters.items():
@@ -390,11 +395,10 @@ class Tracker:
         if hb.final:
             self._depart(inc, now)
 
-    def _loop(self, src: Source, inc: Incarnation, loop: int | None, now: int) -> None:
+    def _loop(self, src: Source, inc: Incarnation, loop: int | None, now: int, idle: bool) -> None:
         """Track how long the loop counter was seen unchanged, and remember busy stalls."""
         if loop is None:
             return
-        idle = self._idle(src)
         if loop != inc.loop_iterations:
             stalled = (inc.loop_seen_ns - inc.loop_since_ns) / 1e9 if inc.loop_since_ns else 0.0
             if stalled > 0:

@@ -179,6 +179,27 @@ def test_a_loop_that_turns_after_its_last_leg_then_blocks_while_idle_is_never_fr
     assert not ev.instances[0].loop_frozen and ev.stuck == ()
 
 
+def test_a_loop_that_turns_only_for_legs_that_come_and_go_between_heartbeats_is_never_frozen_idle(
+        tracker, engines, clock):
+    """vLLM's decode under light load (seen live): each leg arrives and ends within one heartbeat interval,
+    so no inventory lists it and every heartbeat finds the loop advanced with nothing open. Those turns
+    served legs (the engine's completed counter moved): they are not idle turns, and the idle spell that
+    follows, the loop blocked on its input, is neither frozen nor stalled."""
+    d = engines("decode", "decode-0")
+    for i in range(6):
+        clock.advance(HB / 2)
+        d.walk(f"d-{i}", i, ("bootstrap", "transfer", "queued", "decode"))
+        d.rec.loop_tick()
+        d.rec.finish(f"d-{i}")
+        beat(tracker, clock, d, seconds=HB / 2)
+    (rank,) = evaluate(tracker).instances[0].ranks
+    assert rank.completed == 6 and rank.open_total == 0
+    for _ in range(12):
+        beat(tracker, clock, d, loops=False)
+        ev = evaluate(tracker)
+        assert not ev.instances[0].loop_frozen and not ev.instances[0].loop_stalled and ev.stuck == ()
+
+
 def test_an_engine_that_says_how_its_idle_loop_turns_is_judged_without_the_wait(tracker, engines, clock):
     """pdwatch.loop.idle_turn_s: a busy decode that hangs idle at once, and one whose idle loop sleeps 1 s."""
     d = engines("decode", "decode-0", loop_idle_turn_s=0.0)  # it spins while idle (SGLang without a sleeper)

@@ -218,17 +218,40 @@ def test_others_flowing_is_per_cluster_and_expires(tracker, engines, clock):
 
 
 def test_instance_down_after_three_silent_intervals_and_loop_stall(tracker, engines, clock):
-    d = engines("decode", "decode-0")
+    d = engines("decode", "decode-0", loop_idle_turn_s=0.5)  # its idle loop turns at least every 0.5 s
     d.rec.loop_tick()
     d.send(tracker)
     (inst,) = tracker.instances.values()
     clock.advance(2.9)
     assert rules.instance_up(inst, clock.now)
     d.send(tracker)  # heartbeats go on, the loop counter does not move
+    assert not rules.loop_stalled(inst, clock.now)
     clock.advance(0.2)
     assert rules.loop_stalled(inst, clock.now)
     clock.advance(3.1)
     assert not rules.instance_up(inst, clock.now)
+
+
+def test_an_idle_loop_that_blocks_on_its_input_is_never_stalled(tracker, engines, clock):
+    """vLLM's idle EngineCore steps no more: no pd.loop.idle_turn_s, never seen turning idle."""
+    d = engines("decode", "decode-0")
+    d.rec.loop_tick()
+    d.send(tracker)
+    (inst,) = tracker.instances.values()
+    for _ in range(20):  # an idle minute, heartbeats every second
+        clock.advance(1)
+        d.send(tracker)
+        assert not rules.loop_stalled(inst, clock.now)
+    # A leg arrives and the loop still does not move: stalled 3 intervals after the leg, not after
+    # the idle minute's start.
+    d.walk("d-1", 1, DECODE_TO_TRANSFER)
+    d.send(tracker)
+    clock.advance(2.9)
+    d.send(tracker)
+    assert not rules.loop_stalled(inst, clock.now)
+    clock.advance(0.2)
+    d.send(tracker)
+    assert rules.loop_stalled(inst, clock.now)
 
 
 def test_open_legs_are_bounded_and_eviction_is_counted(clock, engines):
