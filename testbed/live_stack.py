@@ -26,7 +26,6 @@ from typing import Any, Generic, TypeVar
 from pdwatch import contract as c
 
 from .processes import EngineProcess, PortInUse
-from .router import LoadGenerator, StackClient
 from .scenarios import Params
 from .sglang_pd.model import write_model
 from .stack_base import StackBase
@@ -47,7 +46,6 @@ class LiveStack(StackBase, Generic[Server]):
         super().__init__(scenario, **args)
         self._dir: Path | None = None
         self.servers: dict[str, Server] = {}
-        self._resumed: list[float] = []  # when the load resumed after each pause
 
     # ---- what a kind provides ----------------------------------------------------
 
@@ -155,23 +153,16 @@ class LiveStack(StackBase, Generic[Server]):
 
     # ---- the load --------------------------------------------------------------
 
-    def _live_client(self) -> StackClient:
-        assert self.router is not None, "the stack is not started"
-        return self.router
-
     def _pause_load(self) -> None:
+        """No arrivals until _resume_load (the load's duration keeps counting, as an idle hour would)."""
         if self.loadgen is not None:
-            self.loadgen.stop()
+            self.loadgen.pause()
         self._event("load_paused")
 
     def _resume_load(self) -> None:
-        if self._stop.is_set():
+        if self._stop.is_set() or self.loadgen is None:
             return
-        self.loadgen = LoadGenerator(self._live_client(), lambda rng, i: self.scenario.shape(self.params, rng, i),
-                                     rate=self.params.rate, seed=self.seed + len(self._resumed), duration_s=None,
-                                     max_requests=self.max_requests)
-        self._resumed.append(time.time())
-        self.loadgen.start()
+        self.loadgen.resume()
         self._event("load_resumed")
 
     # ---- stop ------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.client
 import logging
+import math
 import random
 import threading
 import time
@@ -335,9 +336,10 @@ class LoadGenerator:
             if self._stop.wait(max(0.0, next_at - time.monotonic())):
                 return
             while (resume_at := self._resume_at) > time.monotonic():  # paused: the arrivals resume after it
-                if self._stop.wait(resume_at - time.monotonic()):
+                # In slices: resume() may end an open pause early.
+                if self._stop.wait(min(0.1, resume_at - time.monotonic())):
                     return
-                next_at = max(next_at, resume_at)
+                next_at = max(next_at, time.monotonic())
             if self.duration_s is not None and time.monotonic() - t0 >= self.duration_s:
                 return
             prompt_tokens, max_tokens = self.shape(self.rng, i)
@@ -351,9 +353,13 @@ class LoadGenerator:
             raise ValueError(f"rate must be positive, got {rate}")
         self.rate = rate  # read by the sending thread at each arrival; a float store is atomic
 
-    def pause(self, seconds: float) -> None:
-        """No arrival for `seconds` from now (the duration keeps counting)."""
-        self._resume_at = time.monotonic() + seconds
+    def pause(self, seconds: float | None = None) -> None:
+        """No arrival for `seconds` from now, or until resume() (None); the duration keeps counting."""
+        self._resume_at = math.inf if seconds is None else time.monotonic() + seconds
+
+    def resume(self) -> None:
+        """Arrivals again from now (an open pause ends)."""
+        self._resume_at = 0.0
 
     def stop(self) -> None:
         self._stop.set()

@@ -316,3 +316,32 @@ def test_the_demo_runs_each_engines_incident_and_refuses_a_scenario_the_engine_l
     with pytest.raises(SystemExit) as e:
         demo.main(["--engine", "vllm", "--scenario", "tp-desync"])
     assert e.value.code == 2 and "does not exist for --engine vllm" in capsys.readouterr().err
+
+
+def test_an_open_pause_holds_arrivals_until_resume_and_the_load_is_not_done_meanwhile():
+    """The live stacks' idle spells: paused with no end, resumed by the scenario's next step."""
+    sent = []
+
+    class Recording:
+        def send(self, prompt_tokens, max_tokens):
+            sent.append(time.monotonic())
+            return sent[-1]
+
+    gen = LoadGenerator(Recording(), lambda rng, i: (1, 1), rate=1000.0, seed=1, duration_s=30.0, max_requests=50)
+    gen.start()
+    try:
+        deadline = time.monotonic() + 5
+        while not sent and time.monotonic() < deadline:
+            time.sleep(0.01)
+        gen.pause()
+        time.sleep(0.2)  # an arrival already on its way may still land
+        held = len(sent)
+        time.sleep(0.5)
+        assert len(sent) == held and not gen.finished  # paused, not ended: the CLI must not stop here
+        resumed = time.monotonic()
+        gen.resume()
+        while not gen.finished and time.monotonic() < deadline + 5:
+            time.sleep(0.01)
+        assert gen.finished and len(sent) == 50 and sent[held] >= resumed
+    finally:
+        gen.stop()
