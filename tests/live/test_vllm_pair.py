@@ -312,8 +312,6 @@ def ordinary_day(live_world):
     return run, world, seen
 
 
-@pytest.mark.xfail(reason="known bug, open (issue 30): a vLLM stack idle for 20 s fires PDCollectiveDesyncSuspected "
-                          "(pending or firing in each of the last six runs here); docs/vllm.md", strict=False)
 def test_ordinary_day_pages_nothing_and_leaves_no_stuck_leg(ordinary_day):
     run, world, seen = ordinary_day
     failed = [e for e in run.events if e["event"] == "action_failed"]
