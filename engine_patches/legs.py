@@ -6,6 +6,7 @@ nothing about OpenTelemetry: `otlp` turns the finished pieces into spans.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import os
 import random
@@ -84,6 +85,14 @@ def trace_id_for(traceparent: str | None, room: int | None) -> tuple[int, int | 
     if room is not None:
         return c.room_trace_id(room), None
     return new_trace_id(), None
+
+
+def room_from_key(key: str) -> int:
+    """A room for an engine that has none (vLLM), from a string both legs know (there, the prefill's
+    request id): a non-negative 63-bit integer from its SHA-256, so the contract's room hash joins the
+    legs. Runs on the recorder's worker thread (Recorder.arrive's room_key)."""
+    digest = hashlib.sha256(key.encode("utf-8", "replace")).digest()
+    return int.from_bytes(digest[:8], "big") & 0x7FFF_FFFF_FFFF_FFFF
 
 
 class LegTable:

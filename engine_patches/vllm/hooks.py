@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from .state import room_of, state
+from .state import state
 from .targets import TRACEPARENT_KEY
 
 # vLLM's finished statuses (RequestStatus names) and the contract's pd.outcome for each.
@@ -121,10 +121,10 @@ def on_new_request(result: Any, self: Any, request: Any, *args: Any, **kwargs: A
         prefill_rid, peer, stage = params.get("remote_request_id"), params.get("remote_engine_id"), "bootstrap"
     else:
         prefill_rid, peer, stage = rid, None, "queued"  # nothing to handshake before: the decode pulls later
-    lc.arrive(rid, bootstrap_room=room_of(str(prefill_rid)) if prefill_rid else None,
-              traceparent=traceparent,
-              prompt_tokens=request.num_prompt_tokens, peer=str(peer) if peer else None)
-    lc.enter(rid, stage)
+    # Both legs know the prefill's request id: the room is its hash (legs.room_from_key), taken on the
+    # recorder's worker thread, and the leg enters its first stage in the same record.
+    lc.arrive(rid, room_key=str(prefill_rid) if prefill_rid else None, traceparent=traceparent,
+              prompt_tokens=request.num_prompt_tokens, peer=str(peer) if peer else None, stage=stage)
     state.note(rid, stage)
 
 
@@ -233,7 +233,7 @@ def on_request_finished(result: Any, self: Any, request: Any, block_ids: Any, *a
     stages = state.stages
     if rid not in stages:
         return
-    status = getattr(request.status, "name", str(request.status))
+    status = getattr(request.status, "name", None) or str(request.status)  # str() only where no name: it is slow
     outcome = _OUTCOME.get(status, "failed")
     delay_free = bool(result and result[0])
     if state.role == "prefill" and delay_free and outcome == "ok":

@@ -10,7 +10,6 @@ dict lookup whether a transition is new.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -24,14 +23,6 @@ log = logging.getLogger("pdwatch.vllm")
 LEAVE_POST_S = 2.0  # how long the final heartbeat may wait for the sidecar when the EngineCore stops
 MAX_OPEN = 65536  # the stages map's bound: an entry lives while its leg is open
 _ROLE = {"kv_producer": "prefill", "kv_consumer": "decode"}
-
-
-def room_of(prefill_request_id: str) -> int:
-    """The room both legs of a request are known by: vLLM has no bootstrap room, but both legs know the
-    prefill's request id (the decode's kv_transfer_params carry it as remote_request_id). A
-    non-negative 63-bit integer from its SHA-256, so the contract's room hash joins the legs."""
-    digest = hashlib.sha256(prefill_request_id.encode("utf-8", "replace")).digest()
-    return int.from_bytes(digest[:8], "big") & 0x7FFF_FFFF_FFFF_FFFF
 
 
 class AdapterState:

@@ -57,6 +57,33 @@ def test_both_legs_of_a_room_share_the_contract_trace_id():
     assert ids == [expected, expected]
 
 
+def test_a_room_key_and_a_first_stage_in_one_arrival_give_the_same_spans_as_two_calls():
+    """vLLM's hot path: the room hashed from a key on the worker thread, the first stage in the arrival's
+    record. Both legs of a key share the trace the contract gives the hashed room."""
+    key = "cmpl-4f2a-0"
+    room = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") & (2**63 - 1)
+    got = []
+    for one_record in (True, False):
+        rec, exp, clock = make("prefill")
+        t0 = clock.now
+        if one_record:
+            rec.arrive("p-1", room_key=key, prompt_tokens=40, stage="queued")
+        else:
+            rec.arrive("p-1", bootstrap_room=room, prompt_tokens=40)
+            rec.enter("p-1", "queued")
+        clock.advance(1)
+        rec.finish("p-1", "ok")
+        rec.flush()
+        spans = spans_by_name(exp)
+        (leg,), (queued,) = spans["pd.request"], spans[c.stage_span_name("queued")]
+        assert queued.start_time == t0 and queued.parent.span_id == leg.context.span_id
+        got.append((leg.context.trace_id, leg.attributes[c.A_ROOM], leg.attributes[c.A_PROMPT_TOKENS],
+                    queued.end_time - queued.start_time))
+        rec.shutdown()
+    assert got[0] == got[1]
+    assert got[0][0] == c.room_trace_id(room) and got[0][1] == room
+
+
 def test_traceparent_wins_and_becomes_the_parent():
     rec, exp, _ = make("decode")
     tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
