@@ -2,7 +2,7 @@
 
 Runs in vLLM's own environment (build/vllm, docs/vllm.md):
 
-    build/vllm/bin/python bench/vllm_hook_cost.py [--n 20000] [--repeat 5]
+    build/vllm/bin/python bench/vllm_hook_cost.py [--n 20000] [--repeat 9]
 
 Builds vLLM's own Scheduler with the adapter's NixlConnector (SCHEDULER role,
 PDWATCH_VLLM=1), then times each overridden connector method through the
@@ -10,7 +10,7 @@ adapter's class (vLLM's method + the hook + the recorder's append) and through
 vLLM's own method on the same connector object, alternating, on the same
 request objects:
 
-  on_new_request               one transition (arrival: queued)
+  on_new_request               one transition (arrival: queued, one record)
   build_connector_meta         one transition per step (queued -> prefill), a one-request step
   build_connector_meta         a step with nothing new (the loop counter only)
   request_finished_all_groups  one transition (prefill -> transfer)
@@ -41,20 +41,27 @@ from pdwatch.testbed.processes import free_port
 from tests.support.vllm_scheduler import build_scheduler
 
 
-def per_call_ns(fn: Callable[[], object], n: int, repeat: int) -> float:
-    runs = []
+def per_call_ns(fn: Callable[[], object], n: int) -> float:
+    t = time.thread_time_ns()
+    for _ in range(n):
+        fn()
+    return (time.thread_time_ns() - t) / n
+
+
+def paired(off: Callable[[], object], on: Callable[[], object], n: int, repeat: int) -> tuple[float, float, float]:
+    """Runs of vLLM's method and the adapter's back to back, `repeat` times: the medians of each, and the
+    median of the per-run differences (drift on a shared machine hits both runs of a pair alike)."""
+    offs, ons = [], []
     for _ in range(repeat):
-        t = time.thread_time_ns()
-        for _ in range(n):
-            fn()
-        runs.append((time.thread_time_ns() - t) / n)
-    return statistics.median(runs)
+        offs.append(per_call_ns(off, n))
+        ons.append(per_call_ns(on, n))
+    return statistics.median(offs), statistics.median(ons), statistics.median(b - a for a, b in zip(offs, ons))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=20_000, help="calls per run")
-    ap.add_argument("--repeat", type=int, default=5, help="runs; the median is reported")
+    ap.add_argument("--repeat", type=int, default=9, help="paired runs; medians are reported")
     args = ap.parse_args()
     if importlib.util.find_spec("vllm") is None:  # `make bench` runs every bench in the project's venv
         from pdwatch.testbed.vllm_pd.servers import vllm_python
@@ -91,7 +98,7 @@ def main() -> None:
         step_empty = sched.schedule()
         stages = state.stages
         n, repeat = args.n, args.repeat
-        results: list[tuple[str, float, float, bool]] = []
+        results: list[tuple[str, float, float, float, bool]] = []
 
         def pair(name: str, method: str, call_args: tuple, reset: Callable[[], None] | None,
                  transition: bool) -> None:
@@ -107,7 +114,7 @@ def main() -> None:
                     reset()
                 theirs(conn, *call_args)
 
-            results.append((name, per_call_ns(off, n, repeat), per_call_ns(on, n, repeat), transition))
+            results.append((name, *paired(off, on, n, repeat), transition))
 
         pair("on_new_request", "on_new_request", (req,), None, True)
         pair("build_connector_meta, one new request", "build_connector_meta", (step_new,),
@@ -124,8 +131,7 @@ def main() -> None:
         sched.shutdown()
     print(f"{'per call, scheduler thread CPU, ns':44s} {'vLLM':>8s} {'adapter':>8s} {'added':>8s}")
     worst = 0.0
-    for name, off, on, transition in results:
-        added = on - off
+    for name, off, on, added, transition in results:
         if transition:
             worst = max(worst, added)
         print(f"{name:44s} {off:8.0f} {on:8.0f} {added:8.0f}{'  (transition)' if transition else ''}")
