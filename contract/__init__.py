@@ -188,6 +188,9 @@ H_QUEUE_DROPPED = "pdwatch.recorder.queue_dropped"
 H_LEGS_EVICTED = "pdwatch.recorder.legs_evicted"
 # pd.loop.idle_turn_s's name before v1.2: the sidecar still reads it from engines that send it.
 H_LOOP_IDLE_TURN_V11 = "pdwatch.loop.idle_turn_s"
+# pdwatch's addition on the leg span pd.request: the last error the engine recorded for the leg without
+# ending it (pd.open.errors while it was open), so that a leg that ends ok still says so in its trace.
+A_LEG_ERROR = "pdwatch.error"
 
 # ---- the sidecar's pd.stuck span (section 10) ------------------------------------------------
 A_INSTANCE = "pd.instance"

@@ -119,6 +119,8 @@ def fill_leg(span: Span, piece: LegDone, role: str) -> None:
         attrs[c.A_ROOM] = leg.room
     if leg.peer:
         attrs[c.A_PEER] = leg.peer
+    if leg.error:
+        attrs[c.A_LEG_ERROR] = leg.error
     add_attributes(span, attrs)
     if piece.outcome != "ok":
         span.status.code = _ERROR

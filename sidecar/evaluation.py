@@ -76,12 +76,12 @@ class LegDetail:
     tokens: int
     prompt_tokens: int | None
     stages: tuple[StageRun, ...]  # in start order
+    error: str | None  # the engine's last error for the leg that did not end it (inventory or leg span)
     # While open: where it is, since when (engine clock), how long (decode: since its last new token),
-    # the engine's last error, and the judge's latest verdict if it is stuck.
+    # and the judge's latest verdict if it is stuck.
     stage: str | None
     stage_since_ns: int | None
     age_s: float | None
-    error: str | None
     stuck: StuckLeg | None
 
 

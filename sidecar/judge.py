@@ -527,7 +527,7 @@ class Judge:
             open=is_open, outcome=leg.outcome, arrive_ns=leg.arrive_ns, end_ns=leg.end_ns, tokens=leg.tokens,
             prompt_tokens=leg.prompt_tokens, stages=tuple(StageRun(*run) for run in stage_history(leg)),
             stage=leg.stage if is_open else None, stage_since_ns=leg.stage_since_ns if is_open else None,
-            age_s=rules.leg_age_s(leg, now) if is_open else None, error=leg.error if is_open else None,
+            age_s=rules.leg_age_s(leg, now) if is_open else None, error=leg.error,
             stuck=stuck if is_open else None,
         )
 

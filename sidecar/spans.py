@@ -90,6 +90,7 @@ class LegRecord:
     probe: bool = False
     output_tokens: int | None = None
     prompt_tokens: int | None = None
+    error: str | None = None  # pdwatch.error: an error the engine recorded for the leg without ending it
 
 
 class Entry(NamedTuple):
@@ -327,6 +328,7 @@ def _leg(span: Span, role: str) -> LegRecord:
         raise Rejection("bad_value", f"pd.request with role {leg_role!r}, outcome {outcome!r}")
     rid, room, peer = attrs.get(c.A_RID), attrs.get(c.A_ROOM), attrs.get(c.A_PEER)
     tokens, prompt = attrs.get(c.A_OUTPUT_TOKENS), attrs.get(c.A_PROMPT_TOKENS)
+    error = attrs.get(c.A_LEG_ERROR)
     return LegRecord(
         trace_id=span.trace_id, span_id=span.span_id, role=leg_role, outcome=outcome,
         start_ns=span.start_time_unix_nano, end_ns=span.end_time_unix_nano,
@@ -336,12 +338,13 @@ def _leg(span: Span, role: str) -> LegRecord:
         probe=attrs.get(c.A_PROBE) is True,
         output_tokens=tokens if is_int(tokens) and tokens >= 0 else None,
         prompt_tokens=prompt if is_int(prompt) and prompt >= 0 else None,
+        error=error[:MAX_TEXT] if isinstance(error, str) and error else None,
     )
 
 
 # A leg span's attributes by key, for the fast path below; the order is the recorder's.
 _LEG_KEYS = {k: i for i, k in enumerate((c.A_ROLE, c.A_RID, c.A_OUTCOME, c.A_OUTPUT_TOKENS, c.A_PROMPT_TOKENS,
-                                         c.A_PROBE, c.A_ROOM, c.A_PEER))}
+                                         c.A_PROBE, c.A_ROOM, c.A_PEER, c.A_LEG_ERROR))}
 
 
 def _leg_fast(span: Span, role: str) -> LegRecord | None:
@@ -358,7 +361,7 @@ def _leg_fast(span: Span, role: str) -> LegRecord | None:
             and (not parent or len(parent) == 8) and end >= start):
         return None
     leg_role: str | None = role
-    outcome = rid = peer = ""
+    outcome = rid = peer = error = ""
     room = tokens = prompt = None
     probe = False
     keys = _LEG_KEYS
@@ -377,6 +380,8 @@ def _leg_fast(span: Span, role: str) -> LegRecord | None:
             probe = v.bool_value
         elif i == 7:
             peer = v.string_value
+        elif i == 8:
+            error = v.string_value
         else:
             n = v.int_value
             if n == 0 and v.WhichOneof("value") != _INT:
@@ -393,6 +398,7 @@ def _leg_fast(span: Span, role: str) -> LegRecord | None:
         tid, sid, leg_role, outcome, start, end, rid, room, peer[:MAX_TEXT] or None, probe,
         tokens if tokens is not None and tokens >= 0 else None,
         prompt if prompt is not None and prompt >= 0 else None,
+        error[:MAX_TEXT] or None,
     )
 
 

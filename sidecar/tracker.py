@@ -298,6 +298,8 @@ class Tracker:
             leg.prompt_tokens = rec.prompt_tokens
         if rec.output_tokens is not None:
             leg.tokens = max(leg.tokens, rec.output_tokens)
+        if rec.error:
+            leg.error = rec.error  # it may never have been listed open: legs shorter than a heartbeat
         leg.span_id = rec.span_id.hex()
         leg.arrive_ns = rec.start_ns
         self._close(leg, rec.outcome, rec.end_ns, now)

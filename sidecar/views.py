@@ -67,12 +67,12 @@ def _leg(leg: LegDetail) -> dict[str, Any]:
              "duration_s": round((run.end_ns - run.start_ns) / 1e9, 6), "error": run.error}
             for run in leg.stages
         ],
+        "error": leg.error,  # the engine's last error for the leg that did not end it, open or done
     }
     if leg.open:
         out["stage"] = leg.stage
         out["stage_since_unix_s"] = _s(leg.stage_since_ns)
         out["stage_age_s"] = round(leg.age_s or 0.0, 3)  # decode: since its last new token
-        out["error"] = leg.error
         verdict = leg.stuck
         out["stuck"] = verdict is not None
         if verdict is not None:

@@ -13,11 +13,12 @@ worker metadata (worker_meta.py).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from .state import state
-from .targets import TRACEPARENT_KEY
+from .targets import LEASE_EXPIRES_KEY, TRACEPARENT_KEY
 
 # vLLM's finished statuses (RequestStatus names) and the contract's pd.outcome for each.
 _OUTCOME = {
@@ -31,6 +32,10 @@ _OUTCOME = {
 
 
 LEASE_EXPIRED = "KV lease expired: the prefill freed the blocks before the decode read them"
+READ_AFTER_LEASE = ("the prefill's KV lease had expired when this decode took the request: it reads blocks the "
+                    "prefill freed (potentially invalid KV)")
+# Clocks of two hosts differ: a decode names a read after the lease only this far past its end.
+LEASE_SKEW_S = 1.0
 
 
 def counted_error() -> None:
@@ -117,14 +122,18 @@ def on_new_request(result: Any, self: Any, request: Any, *args: Any, **kwargs: A
     if traceparent is None:
         extra = request.sampling_params.extra_args if request.sampling_params is not None else None
         traceparent = extra.get(TRACEPARENT_KEY) if extra else None
+    expires = None
     if state.role == "decode":
         prefill_rid, peer, stage = params.get("remote_request_id"), params.get("remote_engine_id"), "bootstrap"
+        expires = params.get(LEASE_EXPIRES_KEY)
     else:
         prefill_rid, peer, stage = rid, None, "queued"  # nothing to handshake before: the decode pulls later
     # Both legs know the prefill's request id: the room is its hash (legs.room_from_key), taken on the
     # recorder's worker thread, and the leg enters its first stage in the same record.
     lc.arrive(rid, room_key=str(prefill_rid) if prefill_rid else None, traceparent=traceparent,
               prompt_tokens=request.num_prompt_tokens, peer=str(peer) if peer else None, stage=stage)
+    if expires is not None and time.time() > expires + LEASE_SKEW_S:
+        lc.leg_error(rid, READ_AFTER_LEASE)  # vLLM reads them all the same and answers 200
     state.note(rid, stage)
 
 
@@ -237,9 +246,13 @@ def on_request_finished(result: Any, self: Any, request: Any, block_ids: Any, *a
     outcome = _OUTCOME.get(status, "failed")
     delay_free = bool(result and result[0])
     if state.role == "prefill" and delay_free and outcome == "ok":
-        # Its blocks stay for the decode's READ, until the workers report them read.
+        # Its blocks stay for the decode's READ, until the workers report them read or the lease ends;
+        # the decode learns when that is from the kv_transfer_params (LEASE_EXPIRES_KEY).
         lc.enter(rid, "transfer")
         stages[rid] = "transfer"
+        params = result[1]
+        if state.lease_s and isinstance(params, dict):
+            params[LEASE_EXPIRES_KEY] = time.time() + state.lease_s
         return
     del stages[rid]
     lc.finish(rid, outcome, reason=None if outcome == "ok" else f"vLLM status {status}",

@@ -35,6 +35,7 @@ class AdapterState:
         self.plan: Plan | None = None  # what the connector installed; None: everything (tests)
         self.worker_rows: list[Target] = []  # the table's rows on the Worker's connector worker
         self.lease_expired: set[str] = set()  # Worker: expired since the last step's worker metadata
+        self.lease_s: float | None = None  # the prefill's KV lease (vLLM's scheduler-side setting)
 
     def start(self, connector: Any, vllm_config: Any) -> None:
         """Create the EngineCore's recorder from vLLM's config (once)."""
@@ -67,6 +68,8 @@ class AdapterState:
             plugin_refused=plan.refused if plan is not None else (),
         )
         rec.hook_errors += self.early_errors
+        lease = getattr(getattr(connector, "connector_scheduler", None), "_kv_lease_duration", None)
+        self.lease_s = float(lease) if isinstance(lease, (int, float)) and lease > 0 else None
         self.role = role
         self.rec = rec
         self.lc = rec if plan is None or plan.lifecycle else None

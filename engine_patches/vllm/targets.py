@@ -37,6 +37,10 @@ ASYNC_LLM = "vllm.v1.engine.async_llm.AsyncLLM"
 # The key under which the API server passes a request's traceparent to the EngineCore, in its sampling
 # params' extra_args (as vLLM passes kv_transfer_params).
 TRACEPARENT_KEY = "pdwatch_traceparent"
+# The key under which the prefill adds its lease's end (Unix seconds) to the kv_transfer_params it
+# answers with; the proxy passes them to the decode as they are, and vLLM reads only its own keys. A
+# decode that takes the request after that instant reads blocks the prefill has freed.
+LEASE_EXPIRES_KEY = "pdwatch_lease_expires_unix"
 # vLLM's NixlConnector is this subclass of the base (pull mode: the decode READs), with its own __init__.
 PULL = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector.NixlPullConnector"
 

@@ -290,6 +290,22 @@ def test_an_error_that_does_not_end_a_leg_is_listed_until_the_leg_ends():
     rec.shutdown()
 
 
+def test_an_error_on_a_leg_that_ends_ok_stays_on_its_leg_span():
+    """vLLM's read after the lease: the decode records the error and the request still ends ok."""
+    rec, exp, _clock = make("decode")
+    rec.arrive("d-1", bootstrap_room=1, stage="bootstrap")
+    rec.leg_error("d-1", "read after the lease")
+    rec.arrive("d-2", bootstrap_room=2, stage="bootstrap")
+    for rid in ("d-1", "d-2"):
+        rec.finish(rid, "ok")
+    rec.flush()
+    legs = {s.attributes[c.A_RID]: s for s in spans_by_name(exp)["pd.request"]}
+    assert legs["d-1"].attributes[c.A_LEG_ERROR] == "read after the lease"
+    assert legs["d-1"].status.status_code is StatusCode.UNSET  # it ended ok: the error is said, not the outcome
+    assert c.A_LEG_ERROR not in legs["d-2"].attributes
+    rec.shutdown()
+
+
 def test_hot_path_never_raises_and_counts_errors():
     calls = []
 

@@ -195,19 +195,31 @@ def test_lease_expiry_ends_the_prefill_leg_timeout_named_within_a_heartbeat(leas
 
 def test_lease_expiry_the_late_decode_reads_freed_blocks_and_vllm_answers_200(lease_expiry):
     """What vLLM does next (its own log): the decode reads the freed blocks, the prefill logs it as an error,
-    and the request succeeds. Only the held requests' prefill legs may be named stuck (overtaken: they wait
-    in transfer while later ones pass, and cannot end well), and a page, if one comes, is theirs (transfer)."""
+    and the request succeeds; the decode leg carries the error (pdwatch.error). Only the held requests' legs
+    may be named stuck (the prefill's overtaken: it waits in transfer while later ones pass, and cannot end well; the decode's on
+    its error), and a page, if one comes, is theirs."""
     run, world = lease_expiry
     late = {e["trace_id"] for e in run.events if e["event"] == "held_late"}
     answered = [r for r in run.truth.requests if r.trace_id in late and r.done_at]
     assert answered and all(r.outcome == "ok" for r in answered), [(r.outcome, r.reason) for r in answered]
     assert any("Potentially invalid KV blocks" in line for line in run.logs["prefill-0"]), run.logs["prefill-0"][-5:]
-    others = [s for s in run.stuck_ever() if s["trace_id"] not in late or (s["role"], s["stage"]) != ("prefill", "transfer")]
+    # pdwatch names the read on the decode leg: the prefill's answer said when its lease ended.
+    decode = [leg for leg in run.legs if leg["role"] == "decode"]
+    assert len(decode) >= 3 and all(leg["outcome"] == "ok" and "lease had expired" in (leg["error"] or "")
+                                    for leg in decode), decode
+    print(f"decode legs that read after the lease, named: {len(decode)}")
+    # A held request's decode leg carries the read's error: named stuck on it (engine_error) if an inventory
+    # lists it twice, which a short generation rarely lasts for.
+    others = [s for s in run.stuck_ever() if s["trace_id"] not in late
+              or ((s["role"], s["stage"]) != ("prefill", "transfer")
+                  and (s["role"], s["reason"]) != ("decode", c.REASON_ENGINE_ERROR))]
     assert not others, run.stuck_told()
     print("named stuck before the lease ended them:", run.stuck_told())
     paged = pages(world, run)
     print(f"pages: {len(paged)}")
-    assert all(a["labels"]["stage"] == "transfer" for _t, a in paged), [a["labels"] for _t, a in paged]
+    theirs = {(s["role"], s["stage"], s["pd_instance"]) for s in run.stuck_ever() if s["trace_id"] in late}
+    assert all((a["labels"]["role"], a["labels"]["stage"], a["labels"]["pd_instance"]) in theirs for _t, a in paged), \
+        [a["labels"] for _t, a in paged]
 
 
 # ---- freeze-decode: a decode stopped with SIGSTOP -------------------------------------------

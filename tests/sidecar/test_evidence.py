@@ -9,7 +9,7 @@ from pdwatch.sidecar import views
 from pdwatch.sidecar.diagnosis.classify import classify
 from pdwatch.sidecar.diagnosis.from_evaluation import gather
 from pdwatch.sidecar.metrics import EvaluationCollector
-from tests.support.tracking import evaluate
+from tests.support.tracking import evaluate, judge_of
 
 PREFILL = ("bootstrap", "queued", "prefill", "transfer")
 HB = 1.0  # the test engines' heartbeat interval
@@ -283,6 +283,24 @@ def test_an_error_the_engine_only_logged_is_evidence_at_the_next_inventory(track
     assert reasons(tracker) == {(tid(1), "prefill"): c.REASON_ENGINE_ERROR}
     (s,) = evaluate(tracker).stuck
     assert "NIXL_ERR_NOT_FOUND" in s.why and s.error.endswith("NIXL_ERR_NOT_FOUND")
+
+
+def test_an_error_on_a_leg_no_inventory_listed_reaches_the_request_view_from_its_leg_span(tracker, engines, clock):
+    """A decode leg shorter than a heartbeat that read after the prefill's lease (vLLM): it ends ok, and only
+    its leg span (pdwatch.error) says what it met; the request view shows it, no leg is stuck."""
+    d = engines("decode", "decode-0")
+    d.rec.arrive("d-1", bootstrap_room=1, stage="bootstrap")
+    d.rec.leg_error("d-1", "the prefill's KV lease had expired")
+    d.walk("d-2", 2, ("bootstrap", "transfer"))
+    for rid in ("d-1", "d-2"):
+        d.rec.finish(rid)
+    beat(tracker, clock, d)
+    judge = judge_of(tracker)
+    views = {rid: judge.request_view(tid(n)) for rid, n in (("d-1", 1), ("d-2", 2))}
+    (leg,) = views["d-1"].legs
+    assert leg.outcome == "ok" and leg.error == "the prefill's KV lease had expired"
+    assert views["d-2"].legs[0].error is None
+    assert evaluate(tracker).stuck == ()
 
 
 # ---- what readers see ----------------------------------------------------------------------------------

@@ -79,6 +79,22 @@ def test_decoding_tells_heartbeats_apart_for_the_forwarder(tracker, engines, clo
     assert with_beat.heartbeats == 1 and tracker.apply(with_beat).rejected == 0
 
 
+def test_a_leg_span_reads_the_same_on_the_fast_path_and_the_long_way(engines):
+    """The ingest reads a well-formed pd.request through a typed fast path; every attribute, pdwatch.error
+    included, must read as the general path reads it."""
+    from pdwatch.sidecar import spans
+
+    d = engines("decode", "decode-0")
+    d.rec.arrive("d-1", bootstrap_room=7, prompt_tokens=40, peer="prefill-0", stage="bootstrap")
+    d.rec.leg_error("d-1", "read after the lease")
+    d.rec.finish("d-1", "ok", output_tokens=3)
+    request = d.request(heartbeat=False)
+    (leg,) = [s for rs in request.resource_spans for ss in rs.scope_spans for s in ss.spans if s.name == c.SPAN_LEG]
+    fast = spans._leg_fast(leg, "decode")
+    assert fast is not None and fast == spans._leg(leg, "decode")
+    assert (fast.error, fast.room, fast.prompt_tokens, fast.output_tokens) == ("read after the lease", 7, 40, 3)
+
+
 def test_threshold_adapts_to_three_times_the_p99(tracker, engines, clock):
     p = engines("prefill", "prefill-0")
     for i in range(200):  # transfers in this cluster normally take 10 s

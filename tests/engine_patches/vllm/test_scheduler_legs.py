@@ -145,6 +145,44 @@ def test_a_lease_that_expires_unread_ends_the_prefill_leg_timeout(adapter, recei
     assert "lease expired" in message, message
 
 
+def test_the_prefill_says_when_its_lease_ends_and_a_decode_after_it_names_the_read(
+        adapter, receiver, tmp_path, monkeypatch):
+    """vLLM's own scheduler output carries the prefill's kv_transfer_params to the client: the lease's end is
+    in them. A decode that takes them after that instant reads freed blocks; its leg says so, and ends ok."""
+    import time
+
+    from pdwatch.engine_patches.vllm.hooks import READ_AFTER_LEASE
+    from pdwatch.engine_patches.vllm.targets import LEASE_EXPIRES_KEY
+
+    sched = scheduler(tmp_path, monkeypatch, "kv_producer", "prefill-0")
+    try:
+        sched.add_request(request("p-3", 1, {"do_remote_decode": True, "do_remote_prefill": False}))
+        out = sched.schedule()
+        t0 = time.time()
+        outputs = sched.update_from_output(out, runner_output(out))
+        [answer] = [o for eco in outputs.values() for o in eco.outputs]
+        lease_s = sched.connector.connector_scheduler._kv_lease_duration
+        assert t0 + lease_s <= answer.kv_transfer_params[LEASE_EXPIRES_KEY] <= time.time() + lease_s
+        assert answer.kv_transfer_params["remote_request_id"] == "p-3"  # vLLM's own keys as they were
+    finally:
+        sched.shutdown()  # the connector's shutdown: the final heartbeat, the recorder stops
+    adapter.state.reset()  # a fresh process: the decode
+    sched = scheduler(tmp_path, monkeypatch, "kv_consumer", "decode-0")
+    base = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "prefill-engine",
+            "remote_block_ids": [[0, 1, 2]], "remote_host": "127.0.0.1", "remote_port": free_port(),
+            "remote_num_tokens": 40, "tp_size": 1}
+    try:
+        for rid, expires in (("d-late", time.time() - 5), ("d-in-time", time.time() + 30)):
+            sched.add_request(request(rid, 1, {**base, "remote_request_id": f"p-{rid}", LEASE_EXPIRES_KEY: expires}))
+        rec = adapter.state.rec
+        rec.drain()
+        hb = rec.heartbeat_attributes()
+        assert dict(zip(hb[c.H_OPEN_RIDS], hb[c.H_OPEN_ERRORS])) == {"d-late": READ_AFTER_LEASE, "d-in-time": ""}
+        assert rec.hook_errors == 0
+    finally:
+        sched.shutdown()
+
+
 def test_errors_a_workers_hooks_caught_reach_the_enginecores_recorder(adapter, receiver, tmp_path, monkeypatch):
     """A Worker has no recorder: what its hooks caught rides to the EngineCore in the step's worker metadata."""
     from pdwatch.engine_patches.vllm import hooks
