@@ -37,10 +37,15 @@ import http.client
 import json
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import psutil
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.lib, from the project's root
+
+from bench.lib.live_ab import report_latency, summarize, verdict
 from pdwatch import contract as c
 from pdwatch.testbed.processes import free_port
 from pdwatch.testbed.sglang_pd.stack import SglangStack
@@ -48,11 +53,6 @@ from pdwatch.testbed.sidecar_process import SidecarProcess
 
 MAX_FAILED = 3  # failed requests a round survives (each explained); more ends the run
 HEARTBEAT_WAIT_S = 2.5  # the plugin's heartbeat interval (1 s) and then some
-GOAL = 0.01  # of the median request latency
-# Student's t, two-sided 95 %, by degrees of freedom (a fact of the distribution); beyond the table
-# the normal 1.96 would be within 2 %.
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
-        10: 2.228, 12: 2.179, 14: 2.145, 16: 2.120, 18: 2.101, 20: 2.086, 30: 2.042}
 
 
 def one_request(port: int, ids: list[int], max_tokens: int) -> float:
@@ -68,48 +68,6 @@ def one_request(port: int, ids: list[int], max_tokens: int) -> float:
     finally:
         conn.close()
     return time.perf_counter() - t
-
-
-def p90(xs: list[float]) -> float:
-    return sorted(xs)[int(0.9 * (len(xs) - 1))]
-
-
-def boot_median(xs: list[float], rng: random.Random, n: int = 2000) -> tuple[float, float]:
-    """Bootstrap 95 % interval of the median of xs."""
-    meds = sorted(statistics.median([rng.choice(xs) for _ in xs]) for _ in range(n))
-    return meds[int(0.025 * n)], meds[int(0.975 * n)]
-
-
-def t975(df: int) -> float:
-    """The table's value at df, or at the largest df below it (a wider, safe interval)."""
-    return T975[max(k for k in T975 if k <= df)]
-
-
-def slot_balanced(first: list[float], second: list[float]) -> tuple[float, float, float] | None:
-    """The mean of the two slots' mean shares and its 95 % interval, from the spread of rounds within
-    each slot; None with fewer than two rounds in either slot."""
-    if len(first) < 2 or len(second) < 2:
-        return None
-    est = (statistics.mean(first) + statistics.mean(second)) / 2
-    se = 0.5 * (statistics.variance(first) / len(first) + statistics.variance(second) / len(second)) ** 0.5
-    half = t975(len(first) + len(second) - 2) * se
-    return est, est - half, est + half
-
-
-def pooled_bootstrap(rounds: list[dict], rng: random.Random, n: int = 1000) -> tuple[float, float]:
-    """95 % interval of the mean of the rounds' median shares, each round resampled on its own."""
-    boots = [[statistics.median([rng.choice(r["pairs"]) for _ in r["pairs"]]) / r["base"] for _ in range(n)]
-             for r in rounds]
-    means = sorted(statistics.mean(column) for column in zip(*boots))
-    return means[int(0.025 * n)], means[int(0.975 * n)]
-
-
-def verdict(lo: float, hi: float) -> str:
-    if hi < GOAL:
-        return "met (the whole 95 % interval lies under 1 %)"
-    if lo >= GOAL:
-        return "NOT met (the whole 95 % interval lies at or above 1 %)"
-    return "not shown (the 95 % interval straddles 1 %: more rounds, or a quieter machine)"
 
 
 def cpu_s(stack: SglangStack) -> float:
@@ -240,21 +198,7 @@ def main() -> int:
             rounds.append(r)
             report_round(k, r, brng)
         summary = sidecar.get("/api/v1/summary") if args.sink == "sidecar" else None
-    shares = {slot: [r["diff"] / r["base"] for r in rounds if r["slot"] == slot] for slot in ("first", "second")}
-    cpu = statistics.mean(r["cpu"]["with"] - r["cpu"]["without"] for r in rounds)
-    print(f"plugin's share by slot: first-started {statistics.mean(shares['first']) * 100:+.2f} %, "
-          f"second-started {statistics.mean(shares['second']) * 100:+.2f} %; CPU per request {cpu * 1e3:+.2f} ms")
-    lo_b, hi_b = pooled_bootstrap(rounds, brng)
-    balanced = slot_balanced(shares["first"], shares["second"])
-    if balanced is None:
-        share, lo, hi = statistics.mean(shares["first"] + shares["second"]), lo_b, hi_b
-        how = "from the rounds' own bootstraps"
-    else:
-        share, lo, hi = balanced
-        how = f"from the spread of rounds within each slot; the rounds' own bootstraps: {lo_b * 100:+.2f} .. " \
-              f"{hi_b * 100:+.2f} %"
-    print(f"all {args.rounds} rounds (the slot cancels): the plugin adds {share * 100:+.2f} % of the median request "
-          f"latency (95 %: {lo * 100:+.2f} .. {hi * 100:+.2f} %, {how})")
+    lo, hi = summarize(rounds, brng)
     if summary is not None:
         errors = [r["engine"].get(c.H_HOOK_ERRORS, 0) for i in summary["instances"]
                   if i["cluster"].startswith("bench-") for r in i["ranks"]]
@@ -264,16 +208,7 @@ def main() -> int:
 
 
 def report_round(k: int, r: dict, brng: random.Random) -> None:
-    lo, hi = boot_median(r["pairs"], brng)
-    print(f"round {k} (plugin in the {r['slot']}-started stack): with median {statistics.median(r['with']) * 1e3:6.2f}"
-          f" ms p90 {p90(r['with']) * 1e3:6.2f}; without median {r['base'] * 1e3:6.2f} ms p90 "
-          f"{p90(r['without']) * 1e3:6.2f}; paired difference {r['diff'] * 1e3:+.3f} ms = "
-          f"{r['diff'] / r['base'] * 100:+.2f} % (95 %: {lo / r['base'] * 100:+.2f} .. {hi / r['base'] * 100:+.2f} %)")
-    if any(r["failed"].values()):
-        print(f"  failed requests (their pairs left out): with the plugin {r['failed']['with']}, "
-              f"without {r['failed']['without']}")
-    print(f"  CPU per request, all of the stack's processes: with {r['cpu']['with'] * 1e3:.2f} ms, without "
-          f"{r['cpu']['without'] * 1e3:.2f} ms ({(r['cpu']['with'] - r['cpu']['without']) * 1e3:+.2f} ms)")
+    report_latency(k, r, brng)
     if r["turns"]:
         # Wrapped calls every turn: decode 1 (loop tick), prefill 3 (loop tick, bootstrap pop,
         # batch pick); the cost per call is sglang_hook_cost.py's.
