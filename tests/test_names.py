@@ -27,6 +27,7 @@ PENDING: dict[str, str] = {}  # files being rewritten elsewhere, scanned once th
 NOT_METRICS = {
     "pdwatch_traceparent": "the attribute the SGLang plugin sets on a request's time stats",
     "pdwatch_testbed_cpu": "the testbed's CPU plugin for SGLang, by its module name",
+    "pdwatch_lease_expires_unix": "the key the vLLM adapter adds to a prefill's kv_transfer_params",
 }
 
 METRIC = re.compile(r"(?<![\w.])pdwatch_[a-z0-9_]*")
