@@ -32,7 +32,6 @@ The hook cost per transition on the scheduler thread is bench/sglang_hook_cost.p
 
 from __future__ import annotations
 
-import argparse
 import http.client
 import json
 import random
@@ -45,7 +44,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.lib, from the project's root
 
-from bench.lib.live_ab import report_latency, summarize, verdict
+from bench.lib.live_ab import announce, arguments, report_latency, summarize, verdict
 from pdwatch import contract as c
 from pdwatch.testbed.processes import free_port
 from pdwatch.testbed.sglang_pd.stack import SglangStack
@@ -165,33 +164,12 @@ def one_round(args, endpoint: str, plugin_first: bool, rng: random.Random, label
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=2,
-                    help="rounds on fresh stacks, an even number: the plugin's slot alternates (default 2; "
-                         "each takes about 4 minutes here)")
-    ap.add_argument("--requests", type=int, default=200, help="requests per stack and round (default 200)")
-    ap.add_argument("--prompt-tokens", type=int, default=64)
-    ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--sink", choices=("sidecar", "none"), default="sidecar",
-                    help="where the plugin exports: a real pdwatch serve on this machine (default), or a closed "
-                         "loopback port, so that the sidecar's own CPU, which shares these two cores with both "
-                         "stacks, is left out of the difference")
-    args = ap.parse_args()
-    if args.rounds < 2 or args.rounds % 2:
-        ap.error(f"--rounds must be an even number of at least 2 (each slot the same count), got {args.rounds}")
-    for name in ("requests", "prompt_tokens", "max_tokens"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.warmup < 0:
-        ap.error("--warmup must not be negative")
+    args = arguments(__doc__.splitlines()[0], "plugin", requests=200)
     rng, brng = random.Random(7), random.Random(11)
     rounds = []
     with SidecarProcess(env={c.ENV_NVML: "off", c.ENV_LOG_LEVEL: "warning"}) as sidecar:
         endpoint = sidecar.url if args.sink == "sidecar" else f"http://127.0.0.1:{free_port()}"  # nobody listens
-        print(f"requests per stack and round: {args.requests} (prompt {args.prompt_tokens}, {args.max_tokens} new "
-              f"tokens), alternating, one at a time; the plugin exports to "
-              f"{'a live sidecar' if args.sink == 'sidecar' else 'nowhere'}; {args.rounds} rounds", flush=True)
+        announce(args, "plugin")
         for k in range(1, args.rounds + 1):
             r = one_round(args, endpoint, k % 2 == 1, rng, f"r{k}", sidecar if args.sink == "sidecar" else None)
             r["slot"] = "first" if k % 2 == 1 else "second"

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import http.client
-import json
 import random
 import statistics
 import sys
@@ -32,39 +31,26 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.lib, from the project's root
 
-from bench.lib.live_ab import report_latency, summarize, verdict
+from bench.lib.live_ab import announce, arguments, report_latency, summarize, verdict
 from pdwatch import contract as c
 from pdwatch.testbed.processes import free_port
 from pdwatch.testbed.sglang_pd.model import VOCAB
 from pdwatch.testbed.sidecar_process import SidecarProcess
-from pdwatch.testbed.vllm_pd.stack import VllmStack
+from pdwatch.testbed.vllm_pd.stack import VllmStack, post_completion
 
 MAX_FAILED = 3  # failed requests a round survives; more ends the run
 HEARTBEAT_S = 2.0  # the adapter's default
-
-
-def post(port: int, body: dict) -> dict:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    try:
-        conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        data = resp.read()
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {data[:200]!r}")
-        return json.loads(data)
-    finally:
-        conn.close()
 
 
 def one_request(stack: VllmStack, ids: list[int], max_tokens: int) -> float:
     """The testbed proxy's two calls, timed end to end."""
     prefill, decode = stack.servers["prefill-0"].ports.http, stack.servers["decode-0"].ports.http
     t = time.perf_counter()
-    first = post(prefill, {"model": stack.model, "prompt": ids, "max_tokens": 1, "temperature": 0,
+    first = post_completion(prefill, {"model": stack.model, "prompt": ids, "max_tokens": 1, "temperature": 0,
                            "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
                                                   "remote_engine_id": None, "remote_block_ids": None,
                                                   "remote_host": None, "remote_port": None}})
-    post(decode, {"model": stack.model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
+    post_completion(decode, {"model": stack.model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
                   "ignore_eos": True, "kv_transfer_params": first["kv_transfer_params"]})
     return time.perf_counter() - t
 
@@ -122,32 +108,12 @@ def one_round(args: argparse.Namespace, endpoint: str, adapter_first: bool, rng:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=2,
-                    help="rounds on fresh stacks, an even number: the adapter's slot alternates (default 2; "
-                         "each takes about 4 minutes here)")
-    ap.add_argument("--requests", type=int, default=150, help="requests per stack and round (default 150)")
-    ap.add_argument("--prompt-tokens", type=int, default=64)
-    ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--sink", choices=("sidecar", "none"), default="sidecar",
-                    help="where the adapter exports: a real pdwatch serve on this machine (default), or a closed "
-                         "loopback port (the sidecar's own CPU, on the same two cores, left out)")
-    args = ap.parse_args()
-    if args.rounds < 2 or args.rounds % 2:
-        ap.error(f"--rounds must be an even number of at least 2 (each slot the same count), got {args.rounds}")
-    for name in ("requests", "prompt_tokens", "max_tokens"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.warmup < 0:
-        ap.error("--warmup must not be negative")
+    args = arguments(__doc__.splitlines()[0], "adapter", requests=150)
     rng, brng = random.Random(7), random.Random(11)
     rounds = []
     with SidecarProcess(env={c.ENV_NVML: "off", c.ENV_LOG_LEVEL: "warning"}) as sidecar:
         endpoint = sidecar.url if args.sink == "sidecar" else f"http://127.0.0.1:{free_port()}"  # nobody listens
-        print(f"requests per stack and round: {args.requests} (prompt {args.prompt_tokens}, {args.max_tokens} new "
-              f"tokens), alternating, one at a time; the adapter exports to "
-              f"{'a live sidecar' if args.sink == 'sidecar' else 'nowhere'}; {args.rounds} rounds", flush=True)
+        announce(args, "adapter")
         for k in range(1, args.rounds + 1):
             r = one_round(args, endpoint, k % 2 == 1, rng, f"r{k}")
             r["slot"] = "first" if k % 2 == 1 else "second"

@@ -9,6 +9,7 @@ started), "cpu" ({"with", "without"}: CPU s per request), "failed" ({"with", "wi
 
 from __future__ import annotations
 
+import argparse
 import random
 import statistics
 
@@ -94,3 +95,35 @@ def summarize(rounds: list[dict], brng: random.Random, what: str = "plugin") -> 
     print(f"all {len(rounds)} rounds (the slot cancels): the {what} adds {share * 100:+.2f} % of the median request "
           f"latency (95 %: {lo * 100:+.2f} .. {hi * 100:+.2f} %, {how})")
     return lo, hi
+
+
+def arguments(description: str, what: str, requests: int) -> argparse.Namespace:
+    """The live A/B benches' command line, checked."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--rounds", type=int, default=2,
+                    help=f"rounds on fresh stacks, an even number: the {what}'s slot alternates (default 2; "
+                         "each takes about 4 minutes here)")
+    ap.add_argument("--requests", type=int, default=requests,
+                    help=f"requests per stack and round (default {requests})")
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--sink", choices=("sidecar", "none"), default="sidecar",
+                    help=f"where the {what} exports: a real pdwatch serve on this machine (default), or a closed "
+                         "loopback port, so that the sidecar's own CPU, which shares these two cores with both "
+                         "stacks, is left out of the difference")
+    args = ap.parse_args()
+    if args.rounds < 2 or args.rounds % 2:
+        ap.error(f"--rounds must be an even number of at least 2 (each slot the same count), got {args.rounds}")
+    for name in ("requests", "prompt_tokens", "max_tokens"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.warmup < 0:
+        ap.error("--warmup must not be negative")
+    return args
+
+
+def announce(args: argparse.Namespace, what: str) -> None:
+    print(f"requests per stack and round: {args.requests} (prompt {args.prompt_tokens}, {args.max_tokens} new "
+          f"tokens), alternating, one at a time; the {what} exports to "
+          f"{'a live sidecar' if args.sink == 'sidecar' else 'nowhere'}; {args.rounds} rounds", flush=True)

@@ -92,10 +92,10 @@ class VllmStack(LiveStack[VllmServer]):
 
     def _one(self, prefill_port: int, decode_port: int) -> None:
         prompt = [5, 6, 7, 8]
-        first = _post(prefill_port, {"model": self.model, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {
+        first = post_completion(prefill_port, {"model": self.model, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {
             "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
             "remote_block_ids": None, "remote_host": None, "remote_port": None}})
-        _post(decode_port, {"model": self.model, "prompt": prompt, "max_tokens": 1,
+        post_completion(decode_port, {"model": self.model, "prompt": prompt, "max_tokens": 1,
                             "kv_transfer_params": first["kv_transfer_params"]})
 
     # ---- scenario actions ----------------------------------------------------
@@ -164,7 +164,8 @@ class VllmStack(LiveStack[VllmServer]):
         self._resume_load()
 
 
-def _post(port: int, body: dict[str, object], timeout_s: float = 60.0) -> dict[str, object]:
+def post_completion(port: int, body: dict[str, object], timeout_s: float = 60.0) -> dict[str, object]:
+    """One POST /v1/completions to a vLLM API server on loopback; its JSON answer, or RuntimeError."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
     try:
         conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
