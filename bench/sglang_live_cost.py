@@ -40,11 +40,10 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.lib, from the project's root
 
 from bench.lib.live_ab import announce, arguments, report_latency, summarize, verdict
+from bench.lib.live_ab import cpu_s as processes_cpu_s
 from pdwatch import contract as c
 from pdwatch.testbed.processes import free_port
 from pdwatch.testbed.sglang_pd.stack import SglangStack
@@ -71,16 +70,7 @@ def one_request(port: int, ids: list[int], max_tokens: int) -> float:
 
 def cpu_s(stack: SglangStack) -> float:
     """CPU seconds (user + system) of every process of the stack's servers and router so far."""
-    total = 0.0
-    for engine in (*stack.servers.values(), stack.sglang_router):
-        try:
-            root = psutil.Process(engine.pid)
-            for p in (root, *root.children(recursive=True)):
-                t = p.cpu_times()
-                total += t.user + t.system
-        except psutil.Error:
-            pass  # a process that ended between listing and reading
-    return total
+    return processes_cpu_s(engine.pid for engine in (*stack.servers.values(), stack.sglang_router))
 
 
 def engine_counts(sidecar: SidecarProcess | None, cluster: str) -> dict[str, tuple[int, float]]:

@@ -27,11 +27,10 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.lib, from the project's root
 
 from bench.lib.live_ab import announce, arguments, report_latency, summarize, verdict
+from bench.lib.live_ab import cpu_s as processes_cpu_s
 from pdwatch import contract as c
 from pdwatch.testbed.processes import free_port
 from pdwatch.testbed.sglang_pd.model import VOCAB
@@ -57,16 +56,7 @@ def one_request(stack: VllmStack, ids: list[int], max_tokens: int) -> float:
 
 def cpu_s(stack: VllmStack) -> float:
     """CPU seconds (user + system) of every process of the stack's servers so far."""
-    total = 0.0
-    for server in stack.servers.values():
-        try:
-            root = psutil.Process(server.pid)
-            for p in (root, *root.children(recursive=True)):
-                t = p.cpu_times()
-                total += t.user + t.system
-        except psutil.Error:
-            pass  # a process that ended between listing and reading
-    return total
+    return processes_cpu_s(server.pid for server in stack.servers.values())
 
 
 def one_round(args: argparse.Namespace, endpoint: str, adapter_first: bool, rng: random.Random, label: str) -> dict:

@@ -12,6 +12,9 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+from collections.abc import Iterable
+
+import psutil
 
 GOAL = 0.01  # of the median request latency
 # Student's t, two-sided 95 %, by degrees of freedom (a fact of the distribution); beyond the table
@@ -127,3 +130,19 @@ def announce(args: argparse.Namespace, what: str) -> None:
     print(f"requests per stack and round: {args.requests} (prompt {args.prompt_tokens}, {args.max_tokens} new "
           f"tokens), alternating, one at a time; the {what} exports to "
           f"{'a live sidecar' if args.sink == 'sidecar' else 'nowhere'}; {args.rounds} rounds", flush=True)
+
+
+def cpu_s(pids: Iterable[int | None]) -> float:
+    """CPU seconds (user + system) so far of these processes and all their children."""
+    total = 0.0
+    for pid in pids:
+        if pid is None:  # not started (psutil would read None as this process)
+            continue
+        try:
+            root = psutil.Process(pid)
+            for p in (root, *root.children(recursive=True)):
+                t = p.cpu_times()
+                total += t.user + t.system
+        except psutil.Error:
+            pass  # a process that ended between listing and reading
+    return total
