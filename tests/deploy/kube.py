@@ -18,8 +18,11 @@ KUBERNETES_VERSION = "v1.31.6"
 OPERATOR_VERSION = "v0.93.0"
 SCHEMA_DIRS = (KUBE / "schemas" / f"kubernetes-{KUBERNETES_VERSION}",
                KUBE / "schemas" / f"prometheus-operator-{OPERATOR_VERSION}")
-# Every kustomization: the base, each overlay, each example.
-BUILDS = sorted(str(p.parent.relative_to(KUBE)) for p in KUBE.glob("**/kustomization.yaml"))
+# Every kustomization: the base, each overlay, each example (components/ hold kustomize Components,
+# built only inside a kustomization that names them: each has an overlay of its own).
+BUILDS = sorted(str(p.parent.relative_to(KUBE)) for p in KUBE.glob("**/kustomization.yaml")
+                if p.parent.relative_to(KUBE).parts[0] != "components")
+COMPONENTS = sorted(p.parent.name for p in (KUBE / "components").glob("*/kustomization.yaml"))
 
 # The label engine pods carry so that the NetworkPolicy lets them send OTLP.
 ENGINE_LABEL = ("pdwatch-engine", "true")

@@ -15,7 +15,10 @@ import yaml
 from pdwatch import contract as c
 from pdwatch.sidecar.settings import Settings, env_name
 from tests.deploy.kube import (
+    BUILDS,
+    COMPONENTS,
     ENGINE_LABEL,
+    KUBE,
     ROOT,
     Doc,
     container,
@@ -29,7 +32,8 @@ from tests.deploy.kube import (
     target_port,
 )
 
-WITH_SIDECAR = ["base", "overlays/kube-prometheus-stack", "overlays/without-collector"]
+WITH_SIDECAR = ["base", "overlays/kube-prometheus-stack", "overlays/without-collector", "overlays/gpu-operator",
+                "overlays/gke", "overlays/runtime-class-nvidia"]
 NAMESPACE = "pdwatch"
 SERVICE = "pdwatch-node"
 SECRET = {"name": "pdwatch-token", "key": "token"}
@@ -201,3 +205,36 @@ def test_without_collector_overlay_leaves_no_collector_behind(builds):
     assert [ct["name"] for ct in spec["containers"]] == ["sidecar"]
     assert not spec.get("volumes") and not find(docs, "ConfigMap", "pdwatch-collector")
     assert [p["name"] for p in one(docs, "Service", SERVICE)["spec"]["ports"]] == ["otlp-http", "http-metrics"]
+
+
+# ---- where the pod runs ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("build", WITH_SIDECAR)
+def test_the_pod_outranks_ordinary_pods_and_tolerates_every_taint(builds, build):
+    """A GPU node whose requests the engines fill, tainted as its pool is, must still admit its pdwatch pod:
+    with the Service's internalTrafficPolicy Local, a node without one drops its engines' spans."""
+    docs = builds[build]
+    spec = pod_spec(daemonset(docs))
+    priority = one(docs, "PriorityClass", spec["priorityClassName"])
+    assert 0 < priority["value"] < 2_000_000_000, priority  # above ordinary pods, below the system classes
+    assert not priority.get("globalDefault") and "namespace" not in priority["metadata"]
+    assert {"operator": "Exists"} in spec["tolerations"], spec["tolerations"]  # no key, no effect: every taint
+
+
+def test_which_nodes_is_a_choice_of_component(builds):
+    """The base runs on every node; each node component narrows it as one kind of cluster labels its GPU
+    nodes, and the runtime component asks for the NVIDIA runtime. Each component has an overlay that uses it."""
+    def spec(build: str) -> Doc:
+        return pod_spec(daemonset(builds[build]))
+
+    for key in ("nodeSelector", "affinity", "runtimeClassName"):
+        assert key not in spec("base"), key
+    assert spec("overlays/gpu-operator")["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    (term,) = spec("overlays/gke")["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"]
+    assert term == {"matchExpressions": [{"key": "cloud.google.com/gke-accelerator", "operator": "Exists"}]}
+    assert spec("overlays/runtime-class-nvidia")["runtimeClassName"] == "nvidia"
+    used = {part for build in BUILDS for part in
+            yaml.safe_load((KUBE / build / "kustomization.yaml").read_text()).get("components", [])}
+    assert {f"../../components/{name}" for name in COMPONENTS} <= used, (COMPONENTS, used)
