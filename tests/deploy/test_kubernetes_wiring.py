@@ -238,3 +238,40 @@ def test_which_nodes_is_a_choice_of_component(builds):
     used = {part for build in BUILDS for part in
             yaml.safe_load((KUBE / build / "kustomization.yaml").read_text()).get("components", [])}
     assert {f"../../components/{name}" for name in COMPONENTS} <= used, (COMPONENTS, used)
+
+
+# ---- the token engines send ---------------------------------------------------------------------
+
+TOKEN_VAR = "SIDECAR_TOKEN"
+HEADERS_VAR = "OTEL_EXPORTER_OTLP_HEADERS"
+
+
+def test_engines_send_the_sidecars_token_as_kubernetes_expands_it(builds):
+    """Without a collector (overlays/without-collector) nothing adds the token on the way: the example engines
+    send it themselves. Their header, as Kubernetes expands $(SIDECAR_TOKEN), is one a real sidecar that
+    requires that token accepts; without it, the sidecar refuses the export (401, counted as failed)."""
+    from pdwatch.engine_patches.recorder import Recorder, RecorderConfig
+    from tests.support.sidecar import LiveSidecar
+    from tests.support.waiting import wait_for
+
+    token = "a-token-from-the-secret"
+    headers = set()
+    for workload in find(builds["examples/sglang-pd"], "StatefulSet"):
+        (engine,) = pod_spec(workload)["containers"]
+        variables, names = env(engine), [e["name"] for e in engine["env"]]
+        assert variables[TOKEN_VAR]["valueFrom"] == {"secretKeyRef": SECRET}, workload["metadata"]["name"]
+        assert names.index(TOKEN_VAR) < names.index(HEADERS_VAR)  # Kubernetes expands only what came before
+        headers.add(variables[HEADERS_VAR]["value"].replace(f"$({TOKEN_VAR})", token))
+    assert len(headers) == 1, headers
+    with LiveSidecar(Settings(token=token)) as sc:
+        sent = {}
+        for name, environ in (("with", {HEADERS_VAR: headers.pop()}), ("without", {})):
+            rec = Recorder(RecorderConfig(role="decode", instance=f"decode-{name}", heartbeat_s=60.0, endpoint=sc.url),
+                           environ=environ)
+            rec.heartbeat()
+            rec.flush()
+            sent[name] = rec.export.failed_spans
+            rec.shutdown(1)
+        # The accepted one's heartbeat and its final heartbeat (shutdown), and nothing of the other's.
+        assert wait_for(lambda: sc.sidecar.tracker.heartbeats_received == 2), sc.sidecar.tracker.heartbeats_received
+        assert sent == {"with": 0, "without": 1}
