@@ -107,4 +107,12 @@ def test_the_collector_runs_node_yaml_unchanged_with_the_kubernetes_additions(bu
     health = int(additions["extensions"]["health_check"]["endpoint"].rsplit(":", 1)[1])
     assert port_number(collector, "health") == health
     assert {collector["livenessProbe"]["httpGet"]["port"], collector["readinessProbe"]["httpGet"]["port"]} == {"health"}
-    assert additions["service"]["extensions"] == ["health_check"]
+    assert additions["service"]["extensions"] == ["health_check", "bearertokenauth/engines"]
+    # Engines' OTLP is taken only with the same token; the sidecar's pd.stuck spans, from inside the pod
+    # on loopback, need none.
+    auth = additions["extensions"]["bearertokenauth/engines"]
+    assert (auth["scheme"], auth["token"]) == ("Bearer", "${env:PDWATCH_TOKEN}")
+    receivers = additions["receivers"]
+    assert {p: v["auth"]["authenticator"] for p, v in receivers["otlp"]["protocols"].items()} == \
+        dict.fromkeys(node["receivers"]["otlp"]["protocols"], "bearertokenauth/engines")
+    assert "otlp/from-sidecar" not in receivers
