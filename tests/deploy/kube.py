@@ -3,6 +3,7 @@ vendored schema of each manifest, and small lookups the tests share."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -30,13 +31,31 @@ ENGINE_LABEL = ("pdwatch-engine", "true")
 Doc = dict[str, Any]
 
 
+def kubectl() -> str:
+    found = shutil.which("kubectl")
+    if found is None:
+        pytest.skip("kubectl (with its built-in kustomize) is not installed")
+    return found
+
+
 def kustomize(build: str) -> list[Doc]:
     """The manifests `kubectl kustomize` renders for one kustomization under deploy/kubernetes."""
-    if shutil.which("kubectl") is None:
-        pytest.skip("kubectl (with its built-in kustomize) is not installed")
-    out = subprocess.run(["kubectl", "kustomize", str(KUBE / build)], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([kubectl(), "kustomize", str(KUBE / build)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, f"kustomize {build}: {out.stderr}"
     return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+
+
+def kustomize_with(kustomization: dict[str, Any], folder: Path) -> list[Doc]:
+    """The manifests of a kustomization of one's own, written in `folder`: "resources" and "components"
+    name paths under deploy/kubernetes (made relative, as kustomize requires)."""
+    up = Path(os.path.relpath(KUBE, folder))
+    doc = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", **kustomization}
+    for key in ("resources", "components"):
+        doc[key] = [str(up / p) for p in kustomization.get(key, [])]
+    (folder / "kustomization.yaml").write_text(yaml.safe_dump(doc))
+    out = subprocess.run([kubectl(), "kustomize", str(folder)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, f"kustomize {kustomization}: {out.stderr}"
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
 def schema_name(doc: Doc) -> str:

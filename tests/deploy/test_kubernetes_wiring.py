@@ -24,6 +24,7 @@ from tests.deploy.kube import (
     container,
     env,
     find,
+    kustomize_with,
     matches,
     one,
     pod_spec,
@@ -237,7 +238,8 @@ def test_which_nodes_is_a_choice_of_component(builds):
     assert spec("overlays/runtime-class-nvidia")["runtimeClassName"] == "nvidia"
     used = {part for build in BUILDS for part in
             yaml.safe_load((KUBE / build / "kustomization.yaml").read_text()).get("components", [])}
-    assert {f"../../components/{name}" for name in COMPONENTS} <= used, (COMPONENTS, used)
+    scheduling = [name for name in COMPONENTS if name.startswith(("nodes-", "runtime-class-"))]
+    assert len(scheduling) == 3 and {f"../../components/{name}" for name in scheduling} <= used, (COMPONENTS, used)
 
 
 # ---- the token engines send ---------------------------------------------------------------------
@@ -275,3 +277,28 @@ def test_engines_send_the_sidecars_token_as_kubernetes_expands_it(builds):
         # The accepted one's heartbeat and its final heartbeat (shutdown), and nothing of the other's.
         assert wait_for(lambda: sc.sidecar.tracker.heartbeats_received == 2), sc.sidecar.tracker.heartbeats_received
         assert sent == {"with": 0, "without": 1}
+
+
+# ---- runbook links ----------------------------------------------------------------------------------
+
+
+def test_the_runbook_base_url_is_a_deploy_time_setting(builds, tmp_path):
+    """components/runbook-base with a ConfigMap of one's own: every alert's runbook_url moves under that base,
+    each still naming its own runbook; the ConfigMap stays out of the cluster; no regenerate step."""
+    base = "https://git.acme.example/pdwatch/blob/v0.2.0/"
+    docs = kustomize_with({
+        "resources": ["overlays/kube-prometheus-stack"], "components": ["components/runbook-base"],
+        "configMapGenerator": [{"name": "pdwatch-runbook-base", "literals": [f"url={base}"], "options": {
+            "disableNameSuffixHash": True, "annotations": {"config.kubernetes.io/local-config": "true"}}}],
+    }, tmp_path)
+
+    def links(docs: list[Doc]) -> dict[str, str]:
+        rule = one(docs, "PrometheusRule")
+        return {r["alert"]: r["annotations"]["runbook_url"] for g in rule["spec"]["groups"] for r in g["rules"]
+                if "alert" in r}
+
+    before, after = links(builds["overlays/kube-prometheus-stack"]), links(docs)
+    assert before.keys() == after.keys() and len(after) > 10
+    assert all(url == f"{base}docs/runbooks/{name}.md" for name, url in after.items()), after
+    assert all(url.startswith("https://pdwatch.example/") for url in before.values())  # the generated default
+    assert not find(docs, "ConfigMap", "pdwatch-runbook-base")
