@@ -132,7 +132,7 @@ def on_new_request(result: Any, self: Any, request: Any, *args: Any, **kwargs: A
     # recorder's worker thread, and the leg enters its first stage in the same record.
     lc.arrive(rid, room_key=str(prefill_rid) if prefill_rid else None, traceparent=traceparent,
               prompt_tokens=request.num_prompt_tokens, peer=str(peer) if peer else None, stage=stage)
-    if expires is not None and time.time() > expires + LEASE_SKEW_S:
+    if isinstance(expires, (int, float)) and time.time() > expires + LEASE_SKEW_S:
         lc.leg_error(rid, READ_AFTER_LEASE)  # vLLM reads them all the same and answers 200
     state.note(rid, stage)
 
