@@ -43,17 +43,18 @@ def build() -> db.Dashboard:
     d.with_row(p.row("Stuck now"))
     d.with_panel(p.stat(
         "Stuck legs now",
-        f"Legs the sidecar judges stuck: in one stage past max(floor, {c.P99_FACTOR:g} x p99) without progress.",
-        f"sum({c.STUCK.series}{BY_INSTANCE})", red_at=1,
+        f"Legs the sidecar judges stuck: in one stage past max(floor, {c.P99_FACTOR:g} x p99) without progress. "
+        "Each leg group counted once, however many sidecars report it (max by, as the rules read it).",
+        f"sum(max by ({c.STUCK.by(*c.LEG_GROUP)}) ({c.STUCK.series}{BY_INSTANCE}))", red_at=1,
     ))
     d.with_panel(p.stat(
         "Legs in flight", "Open legs of every stage.", f"sum({c.INFLIGHT.series}{BY_INSTANCE})",
     ))
     d.with_panel(p.stat(
         "Others flowing",
-        f"1 when some leg of the cluster finished ok within the sidecar's flow window "
-        f"({c.DEFAULT_FLOW_WINDOW_S:g} s).",
-        f"min({c.CLUSTER_FLOWING.series}{sel(CLUSTER)})",
+        f"1 when some leg of the cluster finished ok within a sidecar's flow window "
+        f"({c.DEFAULT_FLOW_WINDOW_S:g} s): any sidecar that saw one (max, as the rules read it).",
+        f"max({c.CLUSTER_FLOWING.series}{sel(CLUSTER)})",
     ))
     d.with_panel(p.timeseries(
         "Stuck legs by stage and instance", f"{c.STUCK.name} per role, stage and instance.",

@@ -170,3 +170,38 @@ def test_the_sdk_reads_the_committed_json_back(name):
 
     assert panel_exprs(back) == panel_exprs(doc)
     assert back["templating"] == doc["templating"]
+
+
+def _panel_expr(doc, title: str) -> str:
+    (panel,) = [p for p in _panels(doc) if p["title"] == title]
+    (target,) = panel["targets"]
+    return render.concrete(target["expr"])
+
+
+def test_the_stat_panels_read_several_sidecars_as_the_rules_do(tmp_path):
+    """Two sidecars scraped at once (a central pool's, or a node's sidecar restarted beside its old pod):
+    the same stuck leg group counts once, and a cluster flows if any sidecar saw it flow (max by, as the
+    rules read them), evaluated by promtool over those series."""
+    stuck, flowing = _panel_expr(FLOW, "Stuck legs now"), _panel_expr(FLOW, "Others flowing")
+    group = 'pd_cluster="pd-a",role="decode",stage="transfer",pd_instance="decode-0"'
+    other = 'pd_cluster="pd-a",role="prefill",stage="transfer",pd_instance="prefill-0"'
+    series = [
+        (f'{c.STUCK.name}{{{group},{c.L_TARGET}="sidecar-a:4319"}}', "2x3"),
+        (f'{c.STUCK.name}{{{group},{c.L_TARGET}="sidecar-b:4319"}}', "2x3"),
+        (f'{c.STUCK.name}{{{other},{c.L_TARGET}="sidecar-a:4319"}}', "1x3"),
+        (f'{c.CLUSTER_FLOWING.name}{{pd_cluster="pd-a",{c.L_TARGET}="sidecar-a:4319"}}', "0x3"),
+        (f'{c.CLUSTER_FLOWING.name}{{pd_cluster="pd-a",{c.L_TARGET}="sidecar-b:4319"}}', "1x3"),
+    ]
+    test = {
+        "rule_files": [str(tmp_path / "none.yml")], "evaluation_interval": "1m",
+        "tests": [{"interval": "1m", "input_series": [{"series": s, "values": v} for s, v in series],
+                   "promql_expr_test": [
+                       {"expr": stuck, "eval_time": "1m", "exp_samples": [{"labels": "{}", "value": 3}]},
+                       {"expr": flowing, "eval_time": "1m", "exp_samples": [{"labels": "{}", "value": 1}]},
+                   ]}],
+    }
+    (tmp_path / "none.yml").write_text("groups: []\n")
+    (tmp_path / "panels.test.yml").write_text(json.dumps(test))
+    out = subprocess.run(["promtool", "test", "rules", str(tmp_path / "panels.test.yml")], capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
