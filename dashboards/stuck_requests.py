@@ -29,12 +29,15 @@ def _stuck_table(p: Panels) -> table.Panel:
     panel = p.table(
         "Stuck legs",
         f"The {c.STUCK_INFO_TOP} oldest stuck legs ({info.name}; value = age in the stage). "
-        f"The trace id opens the request's trace, where a {c.SPAN_STUCK} span marks the hung stage.",
-        f"max by ({info.by(c.L_TRACE_ID, c.L_RID, c.L_ROLE, STAGE, INSTANCE)}) ({info.series}{BY_INSTANCE})",
+        f"The trace id opens the request's trace, where a {c.SPAN_STUCK} span marks the hung stage. "
+        "The reason says why the leg is stuck: past its threshold, or on the engines' own evidence.",
+        f"max by ({info.by(c.L_TRACE_ID, c.L_RID, c.L_ROLE, STAGE, INSTANCE, c.L_REASON, c.L_CLUSTER)}) "
+        f"({info.series}{BY_INSTANCE})",
     )
     panel.with_transformation(dm.DataTransformerConfig(id_val="organize", options={
         "excludeByName": {"Time": True},
-        "indexByName": {c.L_TRACE_ID: 0, c.L_ROLE: 1, STAGE: 2, "Value": 3, INSTANCE: 4, c.L_RID: 5},
+        "indexByName": {c.L_TRACE_ID: 0, c.L_ROLE: 1, STAGE: 2, "Value": 3, c.L_REASON: 4, INSTANCE: 5, c.L_RID: 6,
+                        c.L_CLUSTER: 7},
         "renameByName": {"Value": "age in stage"},
     }))
     panel.sort_by([cb.TableSortByFieldState().display_name("age in stage").desc(True)])

@@ -90,6 +90,11 @@ def test_request_flow_has_the_panels_the_issue_lists():
 def test_stuck_requests_links_each_trace_id_to_jaeger_and_repeats_per_instance():
     table = [p for p in _panels(STUCK) if p["type"] == "table"][0]
     assert "pdwatch_stuck_request_info" in table["targets"][0]["expr"]
+    # Every label the metric carries survives the table's max by: the reason too (why the leg is stuck).
+    by = re.search(r"max by \(([^)]*)\)", table["targets"][0]["expr"]).group(1)
+    assert {label.strip() for label in by.split(",")} == set(c.STUCK_INFO.labels), by
+    (organize,) = [t for t in table["transformations"] if t["id"] == "organize"]
+    assert c.L_REASON in organize["options"]["indexByName"]
     assert table["targets"][0]["format"] == "table" and table["targets"][0]["instant"] is True
     override = [o for o in table["fieldConfig"]["overrides"] if o["matcher"]["options"] == "trace_id"][0]
     link = override["properties"][0]["value"][0]
