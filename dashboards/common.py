@@ -137,8 +137,8 @@ class Panels:
         return panel
 
     def stat(self, title: str, description: str, expr: str, *, unit: str = "none", red_at: float | None = None,
-             width: int = 4, height: int = 4) -> stat.Panel:
-        panel = self._setup(stat.Panel(), title, description, [(expr, "")], width, height).unit(unit)
+             width: int = 4, height: int = 4, legend: str = "") -> stat.Panel:
+        panel = self._setup(stat.Panel(), title, description, [(expr, legend)], width, height).unit(unit)
         if red_at is not None:
             panel.thresholds(
                 db.ThresholdsConfig().mode(dm.ThresholdsMode.ABSOLUTE).steps([

@@ -25,26 +25,34 @@ def build() -> db.Dashboard:
 
     d.with_row(p.row("Ingest"))
     d.with_panel(p.timeseries(
-        "Spans and heartbeats received", "OTLP spans ingested per second, and the heartbeats among them.",
-        [(f"sum(rate({c.SPANS_RECEIVED.series}{RATE}))", "spans"),
-         (f"sum(rate({c.HEARTBEATS_RECEIVED.series}{RATE}))", "heartbeats")],
+        "Spans and heartbeats received",
+        "OTLP spans ingested per second, and the heartbeats among them, per sidecar (the scrape target): a "
+        "sidecar whose line falls to zero while the others go on is the one to look at.",
+        [(f"sum by ({c.SPANS_RECEIVED.by(c.L_TARGET)}) (rate({c.SPANS_RECEIVED.series}{RATE}))",
+          f"{legend(c.L_TARGET)} spans"),
+         (f"sum by ({c.HEARTBEATS_RECEIVED.by(c.L_TARGET)}) (rate({c.HEARTBEATS_RECEIVED.series}{RATE}))",
+          f"{legend(c.L_TARGET)} heartbeats")],
         unit="ops",
     ))
     d.with_panel(p.timeseries(
-        "Spans rejected by reason", "Spans the sidecar could not use, by reason.",
-        [(f"sum by ({c.SPANS_REJECTED.by(c.L_REASON)}) (rate({c.SPANS_REJECTED.series}{RATE}))", legend(c.L_REASON))],
+        "Spans rejected by reason", "Spans a sidecar could not use, by sidecar and reason.",
+        [(f"sum by ({c.SPANS_REJECTED.by(c.L_TARGET, c.L_REASON)}) (rate({c.SPANS_REJECTED.series}{RATE}))",
+          legend(c.L_TARGET, c.L_REASON))],
         unit="ops",
     ))
 
     d.with_row(p.row("Tracking"))
     d.with_panel(p.timeseries(
-        "Tracked legs and instances", "Open legs and engine instances the sidecar holds in memory.",
-        [(f"sum({c.TRACKED_LEGS.series})", "legs"), (f"sum({c.TRACKED_INSTANCES.series})", "instances")],
+        "Tracked legs and instances", "Open legs and engine instances each sidecar holds in memory.",
+        [(f"sum by ({c.TRACKED_LEGS.by(c.L_TARGET)}) ({c.TRACKED_LEGS.series})", f"{legend(c.L_TARGET)} legs"),
+         (f"sum by ({c.TRACKED_INSTANCES.by(c.L_TARGET)}) ({c.TRACKED_INSTANCES.series})",
+          f"{legend(c.L_TARGET)} instances")],
         unit="none",
     ))
     d.with_panel(p.timeseries(
-        "Legs evicted by reason", "Legs dropped from tracking (bounds, instance restarts), per second.",
-        [(f"sum by ({c.LEGS_EVICTED.by(c.L_REASON)}) (rate({c.LEGS_EVICTED.series}{RATE}))", legend(c.L_REASON))],
+        "Legs evicted by reason", "Legs dropped from tracking (bounds, instance restarts), per second, by sidecar.",
+        [(f"sum by ({c.LEGS_EVICTED.by(c.L_TARGET, c.L_REASON)}) (rate({c.LEGS_EVICTED.series}{RATE}))",
+          legend(c.L_TARGET, c.L_REASON))],
         unit="ops",
     ))
 
@@ -64,7 +72,8 @@ def build() -> db.Dashboard:
         unit="none", width=8,
     ))
     d.with_panel(p.stat(
-        "GPU telemetry up", "1 when the sidecar samples GPUs through NVML.", f"min({c.GPU_TELEMETRY_UP.series})",
+        "GPU telemetry up", "1 when a sidecar samples GPUs through NVML; one value per sidecar.",
+        f"min by ({c.GPU_TELEMETRY_UP.by(c.L_TARGET)}) ({c.GPU_TELEMETRY_UP.series})", legend=legend(c.L_TARGET),
         width=4, height=8,
     ))
 

@@ -210,3 +210,17 @@ def test_the_stat_panels_read_several_sidecars_as_the_rules_do(tmp_path):
     out = subprocess.run(["promtool", "test", "rules", str(tmp_path / "panels.test.yml")], capture_output=True,
                          text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_pdwatch_itself_says_which_sidecar_is_sick():
+    """Every panel about the sidecars themselves keeps the scrape target apart: a sum over all of them would
+    hide the one that stopped ingesting, rejects everything or lost NVML."""
+    per_sidecar = {"Spans and heartbeats received", "Spans rejected by reason", "Tracked legs and instances",
+                   "Legs evicted by reason", "GPU telemetry up", "Judge evaluation age", "Sidecars up"}
+    panels = {p["title"]: p for p in _panels(SELF)}
+    assert per_sidecar <= panels.keys(), per_sidecar - panels.keys()
+    for title in per_sidecar:
+        for target in panels[title]["targets"]:
+            by = re.match(r"\w+ by \(([^)]*)\)", target["expr"])
+            assert by and c.L_TARGET in [label.strip() for label in by.group(1).split(",")], (title, target["expr"])
+            assert "{{" + c.L_TARGET + "}}" in target["legendFormat"], (title, target["legendFormat"])
