@@ -31,6 +31,18 @@ ENGINE_LABEL = ("pdwatch-engine", "true")
 Doc = dict[str, Any]
 
 
+class Loader(yaml.SafeLoader):
+    """YAML 1.2 reads a plain `=` (an AlertmanagerConfig matcher's matchType, as kustomize prints it) as the
+    string it is; PyYAML's 1.1 resolver takes it for the `value` tag and cannot build it."""
+
+
+Loader.add_constructor("tag:yaml.org,2002:value", lambda loader, node: loader.construct_scalar(node))
+
+
+def load_all(text: str) -> list[Doc]:
+    return [doc for doc in yaml.load_all(text, Loader=Loader) if doc]
+
+
 def kubectl() -> str:
     found = shutil.which("kubectl")
     if found is None:
@@ -42,7 +54,7 @@ def kustomize(build: str) -> list[Doc]:
     """The manifests `kubectl kustomize` renders for one kustomization under deploy/kubernetes."""
     out = subprocess.run([kubectl(), "kustomize", str(KUBE / build)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, f"kustomize {build}: {out.stderr}"
-    return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+    return load_all(out.stdout)
 
 
 def kustomize_with(kustomization: dict[str, Any], folder: Path) -> list[Doc]:
@@ -55,7 +67,7 @@ def kustomize_with(kustomization: dict[str, Any], folder: Path) -> list[Doc]:
     (folder / "kustomization.yaml").write_text(yaml.safe_dump(doc))
     out = subprocess.run([kubectl(), "kustomize", str(folder)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, f"kustomize {kustomization}: {out.stderr}"
-    return [d for d in yaml.safe_load_all(out.stdout) if d]
+    return load_all(out.stdout)
 
 
 def schema_name(doc: Doc) -> str:

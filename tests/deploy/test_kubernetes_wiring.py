@@ -302,3 +302,37 @@ def test_the_runbook_base_url_is_a_deploy_time_setting(builds, tmp_path):
     assert all(url == f"{base}docs/runbooks/{name}.md" for name, url in after.items()), after
     assert all(url.startswith("https://pdwatch.example/") for url in before.values())  # the generated default
     assert not find(docs, "ConfigMap", "pdwatch-runbook-base")
+
+
+# ---- Alertmanager ------------------------------------------------------------------------------------
+
+
+def test_the_alertmanagerconfig_routes_and_inhibits_as_the_alertmanager_example_does(builds):
+    """examples/alertmanager is alerts/alertmanager.example.yml (checked by amtool and a real Alertmanager in
+    tests/alerts) in the operator's words: the same grouping, routes by severity, timings, inhibitions and
+    receivers, with the webhook URLs from a Secret; every severity the rules use has its route."""
+    (amc,) = find(builds["examples/alertmanager"], "AlertmanagerConfig")
+    assert amc["metadata"]["namespace"] == "monitoring"  # the Alertmanager's own (see the manifest's comment)
+    example = yaml.safe_load((ROOT / "alerts" / "alertmanager.example.yml").read_text())
+
+    def matchers(ms: list[dict]) -> list[str]:
+        return sorted(f'{m["name"]}{m.get("matchType", "=")}"{m["value"]}"' for m in ms)
+
+    theirs, ours = example["route"], amc["spec"]["route"]
+    keys = {"receiver": "receiver", "group_by": "groupBy", "group_wait": "groupWait",
+            "group_interval": "groupInterval", "repeat_interval": "repeatInterval"}
+    assert {k: ours.get(v) for k, v in keys.items()} == {k: theirs.get(k) for k in keys}
+    for t, o in zip(theirs["routes"], ours["routes"], strict=True):
+        assert matchers(o["matchers"]) == sorted(t["matchers"])
+        assert {k: o.get(v) for k, v in keys.items()} == {k: t.get(k) for k in keys}
+    for t, o in zip(example["inhibit_rules"], amc["spec"]["inhibitRules"], strict=True):
+        assert (matchers(o["sourceMatch"]), matchers(o["targetMatch"]), o["equal"]) == \
+            (sorted(t["source_matchers"]), sorted(t["target_matchers"]), t["equal"])
+    assert [r["name"] for r in amc["spec"]["receivers"]] == [r["name"] for r in example["receivers"]]
+    for receiver in amc["spec"]["receivers"]:
+        (hook,) = receiver["webhookConfigs"]
+        assert hook["sendResolved"] is True and set(hook["urlSecret"]) == {"name", "key"}
+    rules = yaml.safe_load((ROOT / "alerts" / "pdwatch-alerts.yml").read_text())
+    severities = {r["labels"]["severity"] for g in rules["groups"] for r in g["rules"] if "alert" in r}
+    routed = {m["value"] for r in ours["routes"] for m in r["matchers"] if m["name"] == "severity"}
+    assert severities <= routed, severities - routed

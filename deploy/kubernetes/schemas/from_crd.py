@@ -75,9 +75,17 @@ def schemas(crd: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
+class CrdLoader(yaml.SafeLoader):
+    """YAML 1.2 reads a plain `=` as the string it is; PyYAML's 1.1 resolver takes it for the `value` tag
+    and cannot build it (AlertmanagerConfig's matchType enum lists `=`)."""
+
+
+CrdLoader.add_constructor("tag:yaml.org,2002:value", lambda loader, node: loader.construct_scalar(node))
+
+
 def main(argv: list[str]) -> int:
     crd_file, out_dir = Path(argv[0]), Path(argv[1])
-    for name, schema in schemas(yaml.safe_load(crd_file.read_text())).items():
+    for name, schema in schemas(yaml.load(crd_file.read_text(), Loader=CrdLoader)).items():
         (out_dir / name).write_text(json.dumps(schema, indent=2, sort_keys=True) + "\n")
         print(out_dir / name)
     return 0
