@@ -162,6 +162,7 @@ class Forwarder:
         timeout_s: float = 10.0,
         linger_s: float = 0.05,
         headers: dict[str, str] | None = None,
+        certificate: str | None = None,
     ):
         self.url = traces_url(endpoint)
         self.max_queue_spans = max_queue_spans
@@ -172,6 +173,7 @@ class Forwarder:
         self.timeout_s = timeout_s
         self.linger_s = linger_s
         self.headers = {"Content-Type": "application/x-protobuf", **(headers or {})}
+        self.verify: str | bool = certificate or True  # a CA file, else the system's trust store
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -254,7 +256,7 @@ class Forwarder:
         return stuck, batch
 
     def _run(self) -> None:
-        with httpx.Client(timeout=self.timeout_s) as client:
+        with httpx.Client(timeout=self.timeout_s, verify=self.verify) as client:
             while True:
                 self._wake.wait(0.5)
                 stopping = self._stop.is_set()
@@ -374,6 +376,13 @@ class ForwardCollector:
         yield counter(c.FORWARD_REQUESTS, fwd.requests_sent)
 
 
-def from_settings(endpoint: str | None, **options: Any) -> Forwarder | None:
-    """The sidecar's forwarder when PDWATCH_FORWARD_OTLP_ENDPOINT is set; `options` tune it (tests)."""
-    return Forwarder(endpoint, **options) if endpoint else None
+def from_settings(endpoint: str | None, headers: str = "", certificate: str | None = None,
+                  **options: Any) -> Forwarder | None:
+    """The sidecar's forwarder when PDWATCH_FORWARD_OTLP_ENDPOINT is set: its headers as the OTLP exporter's
+    variable writes them (parse_env_headers), its CA file; `options` tune it (tests)."""
+    if not endpoint:
+        return None
+    from opentelemetry.util.re import parse_env_headers
+
+    return Forwarder(endpoint, headers=dict(parse_env_headers(headers, liberal=True)) if headers else None,
+                     certificate=certificate, **options)

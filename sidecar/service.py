@@ -40,7 +40,8 @@ class Sidecar:
         self.settings = settings
         self.tracker = Tracker(Limits.of(settings), clock=clock)
         self.gpu = GpuSampler(settings.gpu_interval_s, settings.nvml, library=nvml_library)
-        self.forwarder = forward.from_settings(settings.forward_otlp_endpoint, **(forward_options or {}))
+        self.forwarder = forward.from_settings(settings.forward_otlp_endpoint, settings.forward_otlp_headers,
+                                               settings.forward_otlp_certificate, **(forward_options or {}))
         self.history = History()
         hosts = tuple(h.strip() for h in settings.capture_hosts.split(",") if h.strip()) or None
         self.capture = StackCapture(settings.capture, every_s=settings.capture_every_s,

@@ -45,6 +45,11 @@ class Settings(BaseSettings):
                                  description="a cluster flows when some leg finished ok within this many seconds")
     forward_otlp_endpoint: str | None = Field(None, validation_alias=c.ENV_FORWARD, description=(
         "OTLP/HTTP base URL of a trace store to forward lifecycle, foreign and pd.stuck spans to"))
+    forward_otlp_headers: str = Field("", validation_alias=c.ENV_FORWARD_HEADERS, repr=False, description=(
+        "headers sent with each forwarded request, written as OTEL_EXPORTER_OTLP_HEADERS is: key=value pairs, "
+        "comma-separated, values URL-encoded (a token for a gateway, a tenant id)"))
+    forward_otlp_certificate: str | None = Field(None, validation_alias=c.ENV_FORWARD_CERTIFICATE, description=(
+        "CA certificate file (PEM) the forwarder trusts for an https:// endpoint; unset: the system's"))
     nvml: Literal["auto", "off"] = Field("auto", validation_alias=c.ENV_NVML, description="auto: sample GPUs when NVML loads; off: never")
     gpu_interval_s: float = Field(1.0, validation_alias=c.ENV_GPU_INTERVAL, gt=0, allow_inf_nan=False, description="GPU sampling interval, seconds")
     gpu_map: str = Field("", validation_alias=c.ENV_GPU_MAP, description=(
@@ -96,6 +101,7 @@ class Settings(BaseSettings):
     def __repr_args__(self) -> Any:  # the token must never reach a log line
         yield from super().__repr_args__()
         yield "token", "<set>" if self.token else None
+        yield "forward_otlp_headers", "<set>" if self.forward_otlp_headers else ""
 
     @classmethod
     def from_sources(cls, flags: Mapping[str, Any] | None = None) -> Settings:

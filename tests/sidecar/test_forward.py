@@ -27,8 +27,8 @@ FAST = {"backoff_s": 0.02, "max_backoff_s": 0.1, "max_attempts": 3, "timeout_s":
 def receiver():
     made = []
 
-    def make(script=()):
-        r = OtlpReceiver(script)
+    def make(script=(), tls=None):
+        r = OtlpReceiver(script, tls=tls)
         made.append(r)
         return r
 
@@ -223,3 +223,50 @@ def test_endpoint_and_retry_after_parsing():
     assert retry_after_s("7") == 7.0
     assert retry_after_s("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0  # a date in the past: no wait
     assert retry_after_s("soon") is None and retry_after_s(None) is None
+
+
+def make_ca_and_server_cert(folder) -> tuple[str, str, str]:
+    """A CA of the test's own and a certificate it signs for 127.0.0.1 (openssl): (ca, cert, key) files."""
+    import subprocess
+
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+
+    ca, ca_key, cert, key, csr = (str(folder / n) for n in ("ca.pem", "ca.key", "cert.pem", "cert.key", "cert.csr"))
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca, "-days", "2",
+        "-subj", "/CN=pdwatch test CA")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr, "-subj", "/CN=127.0.0.1")
+    ext = folder / "san.ext"
+    ext.write_text("subjectAltName=IP:127.0.0.1\n")
+    run("x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out", cert, "-days", "2",
+        "-extfile", str(ext))
+    return ca, cert, key
+
+
+def test_forwarding_sends_its_headers_and_trusts_its_own_ca_over_https(live_sidecar, receiver, engines, clock,
+                                                                        tmp_path):
+    """A trace store behind TLS and a gateway that wants a token and a tenant: PDWATCH_FORWARD_OTLP_HEADERS
+    and PDWATCH_FORWARD_OTLP_CERTIFICATE. Without the CA the handshake fails, the spans are counted failed,
+    and ingest is unaffected."""
+    ca, cert, key = make_ca_and_server_cert(tmp_path)
+    rcv = receiver(tls=(cert, key))
+    assert rcv.url.startswith("https://")
+    headers = "Authorization=Bearer%20store-token,X-Scope-OrgID=team-a"
+    trusting = live_sidecar(clock=clock, forward_otlp_endpoint=rcv.url, forward_otlp_headers=headers,
+                            forward_otlp_certificate=ca, forward_options=FAST)
+    untrusting = live_sidecar(clock=clock, forward_otlp_endpoint=rcv.url, forward_otlp_headers=headers,
+                              forward_options=FAST)
+    assert "store-token" not in repr(trusting.sidecar.settings)
+    p = engines("prefill", "prefill-0")
+    p.walk("p-1", 1, ("bootstrap", "queued", "prefill", "transfer"))
+    p.rec.finish("p-1")
+    body = p.request(heartbeat=False).SerializeToString()
+    for sc in (trusting, untrusting):
+        assert httpx.post(f"{sc.url}/v1/traces", content=body, headers=PROTOBUF).status_code == 200
+    sent = wait_for(lambda: metric(trusting.url, "pdwatch_forward_spans_total", kind="lifecycle", result="sent"))
+    assert sent == len(rcv.spans()) == 5
+    assert all(h["authorization"] == "Bearer store-token" and h["x-scope-orgid"] == "team-a" for h in rcv.headers)
+    assert wait_for(lambda: metric(untrusting.url, "pdwatch_forward_spans_total", kind="lifecycle",
+                                   result="failed") == 5, timeout_s=15)
+    assert metric(untrusting.url, "pdwatch_forward_spans_total", kind="lifecycle", result="sent") == 0
+    assert len(rcv.spans()) == 5  # nothing more arrived

@@ -5,6 +5,7 @@ keeps it; can answer from a script first (503 with Retry-After, ...)."""
 from __future__ import annotations
 
 import gzip
+import ssl
 import threading
 import time
 from dataclasses import dataclass
@@ -39,9 +40,11 @@ class Span:
 
 
 class OtlpReceiver:
-    def __init__(self, script=()):
+    def __init__(self, script=(), tls: tuple[str, str] | None = None):
+        """tls: (certificate file, key file) to serve https instead of http."""
         self.script = list(script)  # (status, headers) answered, in order, before the first 200
         self.posts: list[tuple[float, bytes]] = []  # (monotonic arrival, raw body) of every POST
+        self.headers: list[dict[str, str]] = []  # each POST's request headers, names lower-cased
         self.requests: list[ExportTraceServiceRequest] = []
         self.lock = threading.Lock()
         outer = self
@@ -52,6 +55,8 @@ class OtlpReceiver:
                 with outer.lock:
                     outer.posts.append((time.monotonic(), body))
                     del outer.posts[:-MAX_REQUESTS]
+                    outer.headers.append({k.lower(): v for k, v in self.headers.items()})
+                    del outer.headers[:-MAX_REQUESTS]
                     answer = outer.script.pop(0) if outer.script else None
                 if self.path != "/v1/traces" or self.headers.get("content-type") != "application/x-protobuf":
                     answer = (400, {})
@@ -85,7 +90,13 @@ class OtlpReceiver:
                 pass  # an exporter hanging up at shutdown is not a test failure
 
         self.server = Server(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        scheme = "http"
+        if tls is not None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(*tls)
+            self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
+            scheme = "https"
+        self.url = f"{scheme}://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
         self.thread.start()
 
