@@ -116,3 +116,34 @@ def test_the_collector_runs_node_yaml_unchanged_with_the_kubernetes_additions(bu
     assert {p: v["auth"]["authenticator"] for p, v in receivers["otlp"]["protocols"].items()} == \
         dict.fromkeys(node["receivers"]["otlp"]["protocols"], "bearertokenauth/engines")
     assert "otlp/from-sidecar" not in receivers
+
+
+def test_the_jaeger_component_sends_over_tls_with_its_ca_and_header_and_changes_nothing_else(builds):
+    """components/jaeger-tls: a third collector config, merged last, replaces only the Jaeger exporter's
+    endpoint (from the container's environment), TLS (the CA from a Secret, mounted where the config reads
+    it) and headers; both pipelines that reach Jaeger still go through that exporter."""
+    docs = builds["overlays/jaeger-tls"]
+    config = one(docs, "ConfigMap", "pdwatch-collector")
+    base_config = one(builds["base"], "ConfigMap", "pdwatch-collector")
+    assert {k: v for k, v in config["data"].items() if k != "jaeger.yaml"} == base_config["data"]
+    jaeger = yaml.safe_load(config["data"]["jaeger.yaml"])
+    assert list(jaeger) == ["exporters"] and list(jaeger["exporters"]) == ["otlp/jaeger"]
+    exporter = jaeger["exporters"]["otlp/jaeger"]
+    assert exporter["endpoint"] == "${env:JAEGER_OTLP_ENDPOINT}"
+    assert exporter["tls"]["insecure"] is False
+    assert exporter["headers"] == {"authorization": "${env:JAEGER_AUTHORIZATION}"}
+    daemonset = one(docs, "DaemonSet", "pdwatch-node")
+    collector = container(daemonset, "otel-collector")
+    mount = next(m for m in collector["volumeMounts"] if m["name"] == "collector-config")["mountPath"]
+    assert collector["args"] == [f"--config={mount}/{key}" for key in ("node.yaml", "kubernetes.yaml", "jaeger.yaml")]
+    ca_mount = next(m for m in collector["volumeMounts"] if m["name"] == "jaeger-tls")
+    (volume,) = [v for v in pod_spec(daemonset)["volumes"] if v["name"] == "jaeger-tls"]
+    (item,) = volume["secret"]["items"]
+    assert exporter["tls"]["ca_file"] == f"{ca_mount['mountPath']}/{item['path']}" and ca_mount["readOnly"]
+    variables = env(collector)
+    assert variables["JAEGER_OTLP_ENDPOINT"]["value"].endswith(":4317")
+    auth = variables["JAEGER_AUTHORIZATION"]["valueFrom"]["secretKeyRef"]
+    assert auth["name"] == volume["secret"]["secretName"] and auth["optional"] is True
+    node = yaml.safe_load(config["data"]["node.yaml"])
+    to_jaeger = [p for p in node["service"]["pipelines"].values() if "otlp/jaeger" in p["exporters"]]
+    assert len(to_jaeger) == 2

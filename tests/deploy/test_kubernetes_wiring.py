@@ -34,7 +34,7 @@ from tests.deploy.kube import (
 )
 
 WITH_SIDECAR = ["base", "overlays/kube-prometheus-stack", "overlays/without-collector", "overlays/gpu-operator",
-                "overlays/gke", "overlays/runtime-class-nvidia"]
+                "overlays/gke", "overlays/runtime-class-nvidia", "overlays/jaeger-tls"]
 NAMESPACE = "pdwatch"
 SERVICE = "pdwatch-node"
 SECRET = {"name": "pdwatch-token", "key": "token"}
