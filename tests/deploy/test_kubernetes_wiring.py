@@ -55,6 +55,17 @@ def ingest_ports(docs: list[Doc]) -> set[int]:
             if p["name"].startswith("otlp-")}
 
 
+def collector_metrics_port(docs: list[Doc]) -> int | None:
+    """Where the pod's collector serves its own metrics (kubernetes.yaml's telemetry reader); None without one."""
+    if not any(ct["name"] == "otel-collector" for ct in pod_spec(daemonset(docs))["containers"]):
+        return None
+    config = yaml.safe_load(one(docs, "ConfigMap", "pdwatch-collector")["data"]["kubernetes.yaml"])
+    (reader,) = config["service"]["telemetry"]["metrics"]["readers"]
+    prometheus = reader["pull"]["exporter"]["prometheus"]
+    assert prometheus["host"] == "${env:POD_IP}"  # the pod's address: loopback would be out of Prometheus' reach
+    return int(prometheus["port"])
+
+
 def sidecar_settings(docs: list[Doc]) -> Settings:
     """The sidecar's Settings as its environment makes them (the Secret's token stood in for)."""
     values = {}
@@ -93,11 +104,17 @@ def test_prometheus_scrapes_the_sidecars_metrics_path_on_each_pod(builds, build)
     pod_labels = daemonset(docs)["spec"]["template"]["metadata"]["labels"]
     assert matches(monitor["spec"]["selector"], service["metadata"]["labels"])
     assert service["spec"]["selector"].items() <= pod_labels.items()
-    (endpoint,) = monitor["spec"]["endpoints"]
+    endpoint, *collector = monitor["spec"]["endpoints"]
     assert endpoint["path"] == c.PATH_METRICS
     (port,) = [p for p in service["spec"]["ports"] if p["name"] == endpoint["port"]]
     assert target_port(daemonset(docs), port["targetPort"]) == sidecar_settings(docs).port
     assert endpoint["interval"] == "15s"  # the scrape interval alerts/tests are written for
+    # The node's collector is scraped too, where the pod has one: on the port its telemetry serves.
+    want = collector_metrics_port(docs)
+    assert len(collector) == (want is not None), collector
+    for extra in collector:
+        (port,) = [p for p in service["spec"]["ports"] if p["name"] == extra["port"]]
+        assert target_port(daemonset(docs), port["targetPort"]) == want and extra["path"] == "/metrics"
 
 
 @pytest.mark.parametrize("build", WITH_SIDECAR)
@@ -131,7 +148,8 @@ def test_network_policy_opens_ingest_to_engines_and_metrics_to_prometheus_only(b
     engines, prometheus = policy["ingress"]
     assert all(p["protocol"] == "TCP" for rule in (engines, prometheus) for p in rule["ports"])
     assert {p["port"] for p in engines["ports"]} == ingest_ports(docs)
-    assert {p["port"] for p in prometheus["ports"]} == {sidecar_settings(docs).port}
+    scraped = {sidecar_settings(docs).port} | ({collector_metrics_port(docs)} - {None})
+    assert {p["port"] for p in prometheus["ports"]} == scraped
     # Engines from any namespace, by their label; Prometheus from its namespace, by the operator's label.
     (peer,) = engines["from"]
     assert peer["namespaceSelector"] == {}
@@ -140,7 +158,7 @@ def test_network_policy_opens_ingest_to_engines_and_metrics_to_prometheus_only(b
     assert peer["namespaceSelector"]["matchLabels"]
     assert peer["podSelector"]["matchLabels"]["app.kubernetes.io/name"] == "prometheus"
     # A port of a pdwatch container that no rule opens serves the kubelet's probes only.
-    opened = ingest_ports(docs) | {sidecar_settings(docs).port}
+    opened = ingest_ports(docs) | scraped
     for ct in pod_spec(daemonset(docs))["containers"]:
         probed = {ct[p]["httpGet"]["port"] for p in ("livenessProbe", "readinessProbe") if p in ct}
         for port in ct["ports"]:
