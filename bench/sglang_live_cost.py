@@ -35,14 +35,13 @@ from __future__ import annotations
 import http.client
 import json
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.lib, from the project's root
 
-from bench.lib.live_ab import announce, arguments, report_latency, summarize, verdict
+from bench.lib.live_ab import announce, arguments, report_latency, round_result, summarize, verdict
 from bench.lib.live_ab import cpu_s as processes_cpu_s
 from pdwatch import contract as c
 from pdwatch.testbed.processes import free_port
@@ -145,12 +144,7 @@ def one_round(args, endpoint: str, plugin_first: bool, rng: random.Random, label
     finally:
         for s in stacks.values():
             s.stop()
-    # Each request with the plugin has a twin without, sent right before or after it with the same
-    # prompt: their difference leaves out what the machine was doing at that moment.
-    pairs = [a - b for a, b in zip(lat["with"], lat["without"])]
-    return {"with": lat["with"], "without": lat["without"], "pairs": pairs, "cpu": cpu, "failed": failed,
-            "base": statistics.median(lat["without"]), "diff": statistics.median(pairs), "turns": turns,
-            "recorder_cpu": recorder_cpu}
+    return round_result(lat, cpu, failed, turns=turns, recorder_cpu=recorder_cpu)
 
 
 def main() -> int:

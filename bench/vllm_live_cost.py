@@ -22,14 +22,13 @@ from __future__ import annotations
 import argparse
 import http.client
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.lib, from the project's root
 
-from bench.lib.live_ab import announce, arguments, report_latency, summarize, verdict
+from bench.lib.live_ab import announce, arguments, report_latency, round_result, summarize, verdict
 from bench.lib.live_ab import cpu_s as processes_cpu_s
 from pdwatch import contract as c
 from pdwatch.testbed.processes import free_port
@@ -92,9 +91,7 @@ def one_round(args: argparse.Namespace, endpoint: str, adapter_first: bool, rng:
     finally:
         for s in stacks.values():
             s.stop()
-    pairs = [a - b for a, b in zip(lat["with"], lat["without"])]
-    return {"with": lat["with"], "without": lat["without"], "pairs": pairs, "cpu": cpu, "failed": failed,
-            "base": statistics.median(lat["without"]), "diff": statistics.median(pairs)}
+    return round_result(lat, cpu, failed)
 
 
 def main() -> int:

@@ -146,3 +146,12 @@ def cpu_s(pids: Iterable[int | None]) -> float:
         except psutil.Error:
             pass  # a process that ended between listing and reading
     return total
+
+
+def round_result(lat: dict[str, list[float]], cpu: dict[str, float], failed: dict[str, int],
+                 **extra: object) -> dict:
+    """One round as the functions above read it: each request with the plugin against its twin without, sent
+    right before or after it with the same prompt, so that what the machine was doing then cancels."""
+    pairs = [a - b for a, b in zip(lat["with"], lat["without"])]
+    return {"with": lat["with"], "without": lat["without"], "pairs": pairs, "cpu": cpu, "failed": failed,
+            "base": statistics.median(lat["without"]), "diff": statistics.median(pairs), **extra}
