@@ -82,6 +82,12 @@ def idle_loop_rule_s(inc: Incarnation, now: int) -> float:
     return _loop_rule(inc, max(_longest((*inc.stalls, *inc.idle_stalls), now), inc.idle_turn_s or 0.0))
 
 
+def judged_idle(inc: Incarnation) -> bool:
+    """Whether the rank's loop is known to turn while idle (seen, or said by its engine): only such a
+    loop is judged when its instance holds no leg."""
+    return inc.turns_idle or inc.idle_turn_s is not None
+
+
 def frozen_ranks(inst: Instance, now: int) -> list[Incarnation]:
     """Ranks that heartbeat while their loop stands still with the instance's legs open, past the rule."""
     owner = inst.owner
@@ -115,7 +121,7 @@ def idle_frozen_ranks(inst: Instance, now: int) -> list[Incarnation]:
     out = []
     for inc in inst.ranks.values():
         # A counter never seen to move yet says nothing: the loop may not have started.
-        if not rank_up(inc, now) or not inc.loop_moves or not (inc.turns_idle or inc.idle_turn_s is not None):
+        if not rank_up(inc, now) or not inc.loop_moves or not judged_idle(inc):
             continue
         if loop_still_s(inc) > idle_loop_rule_s(inc, now):
             out.append(inc)
@@ -135,7 +141,7 @@ def loop_stalled(inst: Instance, now: int) -> bool:
             continue
         if busy_since:
             since = max(inc.loop_since_ns, busy_since)
-        elif owner is None or inc.turns_idle or inc.idle_turn_s is not None:
+        elif owner is None or judged_idle(inc):
             since = inc.loop_since_ns
         else:
             continue
